@@ -1,0 +1,359 @@
+//! Random-access decoding: ids -> blocks needed -> planes -> rows, in request order.
+#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+
+use rayon::prelude::*;
+
+use crate::format::{MODE_CONST, MODE_HUFFMAN, MODE_RAW, MODE_ZSTD, get_varint};
+use crate::{BlockStore, Error, Result};
+
+/// Where one plane of the current block comes from.
+#[derive(Debug, Clone, Copy)]
+enum Src {
+    /// Bytes in place in the payload, starting here (raw planes are never copied).
+    Payload(usize),
+    /// Decoded into the scratch buffer, starting here.
+    Scratch(usize),
+    /// Every byte equals this one (materialised once per row width in `const_row`).
+    Const(usize),
+}
+
+/// A reusable decoding context: holds one block of scratch space and the request order,
+/// so a request makes no allocation per block. Cheap to create; not shared across threads.
+pub struct Decoder<'s> {
+    store: &'s BlockStore,
+    scratch: Vec<u8>,
+    const_row: Vec<u8>,
+    order: Vec<(u64, usize)>,
+    zstd: Option<zstd::bulk::Decompressor<'static>>,
+}
+
+impl std::fmt::Debug for Decoder<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Decoder")
+            .field("scratch_bytes", &self.scratch.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'s> Decoder<'s> {
+    /// A decoder for `store`.
+    #[must_use]
+    pub fn new(store: &'s BlockStore) -> Self {
+        Self {
+            store,
+            scratch: Vec::new(),
+            const_row: Vec::new(),
+            order: Vec::new(),
+            zstd: None,
+        }
+    }
+
+    /// Decodes rows `ids` (any order, repeats allowed, empty allowed) into `out`, one row
+    /// after another in request order. Each needed block is decoded once; coded planes
+    /// only up to the last requested row of the block, raw planes are read in place.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] if `out` is not `ids.len() * row_bytes` long,
+    /// [`Error::RowOutOfRange`] for the first id past the end (before anything is written),
+    /// and block errors ([`Error::ChecksumMismatch`] when verifying on decode,
+    /// [`Error::BadBlock`]).
+    pub fn decode_rows(&mut self, ids: &[u64], out: &mut [u8]) -> Result<()> {
+        let s = self.store;
+        let rb = s.row_bytes;
+        if ids.len().checked_mul(rb) != Some(out.len()) {
+            return Err(Error::InvalidInput(format!(
+                "output has {} bytes, {} rows of {rb} bytes need {}",
+                out.len(),
+                ids.len(),
+                ids.len().saturating_mul(rb)
+            )));
+        }
+        if let Some(&id) = ids.iter().find(|&&id| id >= s.rows) {
+            return Err(Error::RowOutOfRange { id, rows: s.rows });
+        }
+        if rb == 0 {
+            return Ok(());
+        }
+        let mut order = std::mem::take(&mut self.order);
+        order.clear();
+        order.extend(ids.iter().enumerate().map(|(pos, &id)| (id, pos)));
+        order.sort_unstable();
+        let br = s.block_rows as u64;
+        let result = (|| {
+            let mut rest = order.as_slice();
+            while let Some(&(first, _)) = rest.first() {
+                let block = first / br;
+                let len = rest.iter().take_while(|(id, _)| id / br == block).count();
+                let (group, tail) = rest.split_at(len);
+                rest = tail;
+                let last = group.last().map_or(0, |(id, _)| (id % br) as usize);
+                let block = usize::try_from(block)
+                    .map_err(|_| Error::Malformed("block index overflows".into()))?;
+                let srcs = self.prepare(block, last + 1)?;
+                for &(id, pos) in group {
+                    let dst = out
+                        .get_mut(pos * rb..(pos + 1) * rb)
+                        .ok_or_else(|| Error::Malformed("row outside output".into()))?;
+                    self.gather(&srcs, (id % br) as usize, dst)?;
+                }
+            }
+            Ok(())
+        })();
+        self.order = order;
+        result
+    }
+
+    /// Decodes every row of `block` into `out` (`rows_in_block * row_bytes` bytes);
+    /// returns the number of rows.
+    ///
+    /// # Errors
+    /// As [`Decoder::decode_rows`].
+    pub fn decode_block(&mut self, block: usize, out: &mut [u8]) -> Result<usize> {
+        let rows = self.rows_in_block(block)?;
+        let rb = self.store.row_bytes;
+        if out.len() != rows * rb {
+            return Err(Error::InvalidInput(format!(
+                "block {block} needs {} output bytes, got {}",
+                rows * rb,
+                out.len()
+            )));
+        }
+        if rb == 0 {
+            return Ok(rows);
+        }
+        let srcs = self.prepare(block, rows)?;
+        for (r, dst) in out.chunks_exact_mut(rb).enumerate() {
+            self.gather(&srcs, r, dst)?;
+        }
+        Ok(rows)
+    }
+
+    fn rows_in_block(&self, block: usize) -> Result<usize> {
+        let s = self.store;
+        if block >= s.num_blocks() {
+            return Err(Error::InvalidInput(format!(
+                "block {block} out of range ({} blocks)",
+                s.num_blocks()
+            )));
+        }
+        let start = block as u64 * s.block_rows as u64;
+        Ok(usize::try_from((s.rows - start).min(s.block_rows as u64)).unwrap_or(0))
+    }
+
+    /// Parses `block`, decodes its coded planes for the first `need` rows into scratch, and
+    /// says where each plane's bytes are.
+    fn prepare(&mut self, block: usize, need: usize) -> Result<[Src; 8]> {
+        let s = self.store;
+        if s.verify_on_decode {
+            s.verify_block(block)?;
+        }
+        let rows = self.rows_in_block(block)?;
+        let e = s.kind.element_size().bytes();
+        let re = s.row_bytes / e; // elements per row = bytes per plane row
+        let n = rows * re; // bytes per plane in this block
+        let bytes = s.block_bytes(block)?;
+        let base = s.offsets.get(block).copied().unwrap_or(0);
+        if self.scratch.len() < e * n {
+            self.scratch.resize(e * n, 0);
+        }
+        if self.const_row.len() < e * re {
+            self.const_row.resize(e * re, 0);
+        }
+        let mut srcs = [Src::Const(0); 8];
+        let mut pos = 0usize;
+        let bad = |reason: &str| Error::BadBlock {
+            block,
+            reason: reason.to_string(),
+        };
+        for (k, src) in srcs.iter_mut().take(e).enumerate() {
+            let mode = *bytes.get(pos).ok_or_else(|| bad("plane record missing"))?;
+            pos += 1;
+            match mode {
+                MODE_RAW => {
+                    if pos + n > bytes.len() {
+                        return Err(bad("raw plane runs past the block"));
+                    }
+                    *src = Src::Payload(base + pos);
+                    pos += n;
+                }
+                MODE_CONST => {
+                    let v = *bytes
+                        .get(pos)
+                        .ok_or_else(|| bad("constant plane has no value"))?;
+                    pos += 1;
+                    if let Some(row) = self.const_row.get_mut(k * re..(k + 1) * re) {
+                        row.fill(v);
+                    }
+                    *src = Src::Const(k * re);
+                }
+                MODE_ZSTD => {
+                    let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
+                    let frame = bytes
+                        .get(pos..pos + len)
+                        .ok_or_else(|| bad("zstd frame runs past the block"))?;
+                    pos += len;
+                    let dst = self
+                        .scratch
+                        .get_mut(k * n..(k + 1) * n)
+                        .ok_or_else(|| bad("scratch"))?;
+                    let dec = match &mut self.zstd {
+                        Some(d) => d,
+                        none => none.insert(
+                            zstd::bulk::Decompressor::new()
+                                .map_err(|e| Error::Malformed(format!("zstd context: {e}")))?,
+                        ),
+                    };
+                    let got = dec
+                        .decompress_to_buffer(frame, dst)
+                        .map_err(|e| bad(&format!("zstd: {e}")))?;
+                    if got != n {
+                        return Err(bad(&format!("zstd plane holds {got} bytes, expected {n}")));
+                    }
+                    *src = Src::Scratch(k * n);
+                }
+                m if m >= MODE_HUFFMAN => {
+                    let t = usize::from(m - MODE_HUFFMAN);
+                    let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
+                    let stream = bytes
+                        .get(pos..pos + len)
+                        .ok_or_else(|| bad("coded plane runs past the block"))?;
+                    pos += len;
+                    let dec = s.decoders.get(k).and_then(|ts| ts.get(t)).ok_or_else(|| {
+                        bad(&format!(
+                            "plane {k} names code table {t}, which does not exist"
+                        ))
+                    })?;
+                    let dst = self
+                        .scratch
+                        .get_mut(k * n..k * n + need * re)
+                        .ok_or_else(|| bad("scratch"))?;
+                    dec.decode(stream, dst, need == rows)
+                        .map_err(|e| e.in_block(block))?;
+                    *src = Src::Scratch(k * n);
+                }
+                other => return Err(bad(&format!("unknown plane mode {other}"))),
+            }
+        }
+        if pos != bytes.len() {
+            return Err(bad(&format!(
+                "{} trailing bytes after the last plane",
+                bytes.len() - pos
+            )));
+        }
+        Ok(srcs)
+    }
+
+    /// Interleaves row `r` of each plane back into elements and undoes the sign rotation.
+    fn gather(&self, srcs: &[Src; 8], r: usize, dst: &mut [u8]) -> Result<()> {
+        let s = self.store;
+        let e = s.kind.element_size().bytes();
+        let re = s.row_bytes / e;
+        let slice = |src: &Src| -> Result<&[u8]> {
+            let (buf, start) = match *src {
+                Src::Payload(o) => (s.payload.as_slice(), o + r * re),
+                Src::Scratch(o) => (self.scratch.as_slice(), o + r * re),
+                Src::Const(o) => (self.const_row.as_slice(), o),
+            };
+            buf.get(start..start + re)
+                .ok_or_else(|| Error::Malformed("plane row outside its buffer".into()))
+        };
+        let rot = s.kind.rotates_sign();
+        match e {
+            1 => dst.copy_from_slice(slice(&srcs[0])?),
+            2 => gather2(slice(&srcs[0])?, slice(&srcs[1])?, dst, rot),
+            4 => gather4(
+                [
+                    slice(&srcs[0])?,
+                    slice(&srcs[1])?,
+                    slice(&srcs[2])?,
+                    slice(&srcs[3])?,
+                ],
+                dst,
+                rot,
+            ),
+            _ => {
+                let mut planes: [&[u8]; 8] = [&[]; 8];
+                for (p, src) in planes.iter_mut().zip(srcs.iter()) {
+                    *p = slice(src)?;
+                }
+                gather8(&planes, dst, rot);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn gather2(a: &[u8], b: &[u8], dst: &mut [u8], rot: bool) {
+    let it = dst.chunks_exact_mut(2).zip(a.iter().zip(b.iter()));
+    if rot {
+        it.for_each(|(o, (&x, &y))| {
+            o.copy_from_slice(&u16::from_le_bytes([x, y]).rotate_right(1).to_le_bytes())
+        });
+    } else {
+        it.for_each(|(o, (&x, &y))| o.copy_from_slice(&[x, y]));
+    }
+}
+
+fn gather4(p: [&[u8]; 4], dst: &mut [u8], rot: bool) {
+    let [a, b, c, d] = p;
+    let it = dst
+        .chunks_exact_mut(4)
+        .zip(a.iter().zip(b.iter()).zip(c.iter().zip(d.iter())));
+    if rot {
+        it.for_each(|(o, ((&w, &x), (&y, &z)))| {
+            o.copy_from_slice(
+                &u32::from_le_bytes([w, x, y, z])
+                    .rotate_right(1)
+                    .to_le_bytes(),
+            );
+        });
+    } else {
+        it.for_each(|(o, ((&w, &x), (&y, &z)))| o.copy_from_slice(&[w, x, y, z]));
+    }
+}
+
+fn gather8(p: &[&[u8]; 8], dst: &mut [u8], rot: bool) {
+    for (j, o) in dst.chunks_exact_mut(8).enumerate() {
+        let mut w = [0u8; 8];
+        for (byte, plane) in w.iter_mut().zip(p.iter()) {
+            *byte = plane.get(j).copied().unwrap_or(0);
+        }
+        let v = u64::from_le_bytes(w);
+        o.copy_from_slice(&if rot { v.rotate_right(1) } else { v }.to_le_bytes());
+    }
+}
+
+impl BlockStore {
+    /// A reusable decoding context for this store.
+    #[must_use]
+    pub fn decoder(&self) -> Decoder<'_> {
+        Decoder::new(self)
+    }
+
+    /// Decodes rows `ids` into `out`; see [`Decoder::decode_rows`].
+    ///
+    /// # Errors
+    /// As [`Decoder::decode_rows`].
+    pub fn decode_rows(&self, ids: &[u64], out: &mut [u8]) -> Result<()> {
+        Decoder::new(self).decode_rows(ids, out)
+    }
+
+    /// Decodes the whole tensor, blocks in parallel on all cores.
+    ///
+    /// # Errors
+    /// The first failing block's error.
+    pub fn decode_all(&self) -> Result<Vec<u8>> {
+        let total = usize::try_from(self.dense_bytes())
+            .map_err(|_| Error::Malformed("tensor too large".into()))?;
+        let mut out = vec![0u8; total];
+        let chunk = (self.block_rows * self.row_bytes).max(1);
+        if total == 0 {
+            return Ok(out);
+        }
+        out.par_chunks_mut(chunk).enumerate().try_for_each_init(
+            || Decoder::new(self),
+            |dec, (b, dst)| dec.decode_block(b, dst).map(|_| ()),
+        )?;
+        Ok(out)
+    }
+}

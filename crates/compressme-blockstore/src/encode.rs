@@ -1,0 +1,341 @@
+//! Building a store: transform, planes, table clustering, per-plane modes, digests.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::format::{
+    MAX_BLOCK_BYTES, MAX_TABLES, MODE_CONST, MODE_HUFFMAN, MODE_RAW, MODE_ZSTD, put_varint,
+};
+use crate::huffman::{CodeLengths, Decoder, Encoder};
+use crate::{BlockStore, Coder, EncodeOptions, Error, Result, ValueKind};
+
+type Histogram = [u64; 256];
+
+/// Rotates the sign bit of every element to bit 0, in place (inverse: `unrotate`).
+pub(crate) fn rotate(kind: ValueKind, bytes: &mut [u8]) {
+    if !kind.rotates_sign() {
+        return;
+    }
+    match kind.element_size().bytes() {
+        2 => bytes.chunks_exact_mut(2).for_each(|c| {
+            let v = u16::from_le_bytes([c[0], c[1]]).rotate_left(1);
+            c.copy_from_slice(&v.to_le_bytes());
+        }),
+        4 => bytes.chunks_exact_mut(4).for_each(|c| {
+            let v = u32::from_le_bytes([c[0], c[1], c[2], c[3]]).rotate_left(1);
+            c.copy_from_slice(&v.to_le_bytes());
+        }),
+        8 => bytes.chunks_exact_mut(8).for_each(|c| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            c.copy_from_slice(&u64::from_le_bytes(w).rotate_left(1).to_le_bytes());
+        }),
+        _ => {}
+    }
+}
+
+struct PlanedBlock {
+    /// `E` planes of `n` bytes each, back to back (the shuffled block).
+    planes: Vec<u8>,
+    hists: Vec<Histogram>,
+}
+
+fn plane_block(kind: ValueKind, block: &[u8]) -> PlanedBlock {
+    let size = kind.element_size();
+    let e = size.bytes();
+    let mut tmp = block.to_vec();
+    rotate(kind, &mut tmp);
+    let planes = compressme_shuffle::shuffle(size, &tmp);
+    let n = planes.len() / e;
+    let hists = (0..e)
+        .map(|k| {
+            let mut h = [0u64; 256];
+            for &b in planes.get(k * n..(k + 1) * n).unwrap_or(&[]) {
+                h[usize::from(b)] += 1;
+            }
+            h
+        })
+        .collect();
+    PlanedBlock { planes, hists }
+}
+
+fn is_constant(plane: &[u8]) -> bool {
+    plane
+        .first()
+        .is_some_and(|&f| plane.iter().all(|&b| b == f))
+}
+
+/// Approximate information content of a histogram in bits (for seeding clusters).
+fn entropy_bits(h: &Histogram) -> f64 {
+    let total: u64 = h.iter().sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let t = total as f64;
+    h.iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| -(c as f64) * (c as f64 / t).log2())
+        .sum()
+}
+
+fn sum_hists<'a>(hs: impl Iterator<Item = &'a Histogram>) -> Histogram {
+    let mut acc = [0u64; 256];
+    for h in hs {
+        for (a, &c) in acc.iter_mut().zip(h.iter()) {
+            *a += c;
+        }
+    }
+    acc
+}
+
+fn best_table(tables: &[CodeLengths], h: &Histogram) -> (usize, u64) {
+    tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i, t.cost_bits(h)))
+        .min_by_key(|&(i, c)| (c, i))
+        .unwrap_or((0, u64::MAX))
+}
+
+/// Clusters block histograms into at most `k` shared code tables, keeping the count that
+/// minimises coded bits plus table bytes. Deterministic.
+fn cluster_tables(hists: &[&Histogram], k: usize) -> Vec<CodeLengths> {
+    if hists.is_empty() {
+        return Vec::new();
+    }
+    let total_cost = |tables: &[CodeLengths]| -> u64 {
+        hists.iter().fold(128 * tables.len() as u64, |acc, h| {
+            acc.saturating_add(best_table(tables, h).1.div_ceil(8))
+        })
+    };
+    let mut tables = vec![CodeLengths::from_counts(&sum_hists(hists.iter().copied()))];
+    let mut best = (total_cost(&tables), tables.clone());
+    // one split per extra table allowed; a split whose seed wins no block just shrinks back
+    for _ in 1..k.min(hists.len()) {
+        // seed a new table with the block the current tables serve worst
+        let seed = hists
+            .iter()
+            .map(|h| best_table(&tables, h).1.min(u64::MAX >> 12) as f64 - entropy_bits(h))
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+            .map_or(0, |(i, _)| i);
+        if let Some(h) = hists.get(seed) {
+            tables.push(CodeLengths::from_counts(h));
+        }
+        // a few Lloyd iterations: assign, rebuild
+        for _ in 0..4 {
+            let mut groups: Vec<Vec<&Histogram>> = vec![Vec::new(); tables.len()];
+            for h in hists {
+                if let Some(g) = groups.get_mut(best_table(&tables, h).0) {
+                    g.push(h);
+                }
+            }
+            tables = groups
+                .iter()
+                .zip(&tables)
+                .filter(|(g, _)| !g.is_empty())
+                .map(|(g, _)| CodeLengths::from_counts(&sum_hists(g.iter().copied())))
+                .collect();
+        }
+        let cost = total_cost(&tables);
+        if cost < best.0 {
+            best = (cost, tables.clone());
+        }
+    }
+    best.1
+}
+
+fn validate(data: &[u8], rows: u64, row_bytes: usize, opts: &EncodeOptions) -> Result<()> {
+    let e = opts.kind.element_size().bytes();
+    let bad = |m: String| Err(Error::InvalidInput(m));
+    if opts.block_rows == 0 {
+        return bad("block_rows must be at least 1".into());
+    }
+    if row_bytes % e != 0 {
+        return bad(format!(
+            "row of {row_bytes} bytes is not a whole number of {e}-byte elements"
+        ));
+    }
+    let dense = usize::try_from(rows)
+        .ok()
+        .and_then(|r| r.checked_mul(row_bytes));
+    if dense != Some(data.len()) {
+        return bad(format!(
+            "{} bytes given for {rows} rows of {row_bytes} bytes",
+            data.len()
+        ));
+    }
+    if opts
+        .block_rows
+        .checked_mul(row_bytes)
+        .is_none_or(|b| b > MAX_BLOCK_BYTES)
+    {
+        return bad(format!(
+            "a block of {} rows of {row_bytes} bytes exceeds the {MAX_BLOCK_BYTES}-byte block limit",
+            opts.block_rows
+        ));
+    }
+    if !(opts.max_coded_fraction > 0.0 && opts.max_coded_fraction <= 1.0) {
+        return bad(format!(
+            "max_coded_fraction {} is not in (0, 1]",
+            opts.max_coded_fraction
+        ));
+    }
+    match opts.coder {
+        Coder::SharedHuffman { max_tables }
+            if max_tables == 0 || usize::from(max_tables) > MAX_TABLES =>
+        {
+            bad(format!(
+                "max_tables {max_tables} is not in 1..={MAX_TABLES}"
+            ))
+        }
+        Coder::Zstd { level } if !(1..=22).contains(&level) => {
+            bad(format!("zstd level {level} is not in 1..=22"))
+        }
+        _ => Ok(()),
+    }
+}
+
+impl BlockStore {
+    /// Encodes a row-major `[rows, row_bytes]` byte matrix.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when the bytes do not match the shape, a row is not a whole
+    /// number of elements, or the options are out of range. Nothing is kept on error.
+    pub fn encode(data: &[u8], rows: u64, row_bytes: usize, opts: &EncodeOptions) -> Result<Self> {
+        validate(data, rows, row_bytes, opts)?;
+        let kind = opts.kind;
+        let e = kind.element_size().bytes();
+        let block_bytes = opts.block_rows * row_bytes;
+        let chunks: Vec<&[u8]> = if block_bytes == 0 {
+            vec![&[][..]; num_blocks(rows, opts.block_rows)]
+        } else {
+            data.chunks(block_bytes).collect()
+        };
+
+        let planed: Vec<PlanedBlock> = if opts.parallel {
+            chunks.par_iter().map(|c| plane_block(kind, c)).collect()
+        } else {
+            chunks.iter().map(|c| plane_block(kind, c)).collect()
+        };
+
+        let tables: Vec<Vec<CodeLengths>> = match opts.coder {
+            Coder::SharedHuffman { max_tables } => (0..e)
+                .map(|k| {
+                    let hs: Vec<&Histogram> = planed
+                        .iter()
+                        .filter(|b| {
+                            let n = b.planes.len() / e;
+                            !is_constant(b.planes.get(k * n..(k + 1) * n).unwrap_or(&[]))
+                        })
+                        .filter_map(|b| b.hists.get(k))
+                        .collect();
+                    cluster_tables(&hs, usize::from(max_tables))
+                })
+                .collect(),
+            Coder::Zstd { .. } => vec![Vec::new(); e],
+        };
+        let encoders: Vec<Vec<Encoder>> = tables
+            .iter()
+            .map(|ts| ts.iter().map(Encoder::new).collect())
+            .collect();
+
+        let encode_one = |b: &PlanedBlock| -> (Vec<u8>, [u8; 32]) {
+            let out = encode_block(b, e, &tables, &encoders, opts);
+            let digest: [u8; 32] = Sha256::digest(&out).into();
+            (out, digest)
+        };
+        let coded: Vec<(Vec<u8>, [u8; 32])> = if opts.parallel {
+            planed.par_iter().map(encode_one).collect()
+        } else {
+            planed.iter().map(encode_one).collect()
+        };
+
+        let mut offsets = Vec::with_capacity(coded.len() + 1);
+        let mut payload = Vec::with_capacity(coded.iter().map(|c| c.0.len()).sum());
+        let mut digests = Vec::with_capacity(coded.len());
+        offsets.push(0);
+        for (bytes, digest) in coded {
+            payload.extend_from_slice(&bytes);
+            offsets.push(payload.len());
+            digests.push(digest);
+        }
+        let store = Self {
+            kind,
+            rows,
+            row_bytes,
+            block_rows: opts.block_rows,
+            decoders: decoders_for(&tables),
+            tables,
+            offsets,
+            digests,
+            payload,
+            verify_on_decode: false,
+        };
+        store.verify_all()?;
+        Ok(store)
+    }
+}
+
+pub(crate) fn num_blocks(rows: u64, block_rows: usize) -> usize {
+    usize::try_from(rows.div_ceil(block_rows.max(1) as u64)).unwrap_or(usize::MAX)
+}
+
+pub(crate) fn decoders_for(tables: &[Vec<CodeLengths>]) -> Vec<Vec<Arc<Decoder>>> {
+    tables
+        .iter()
+        .map(|ts| ts.iter().map(|t| Arc::new(Decoder::new(t))).collect())
+        .collect()
+}
+
+fn encode_block(
+    b: &PlanedBlock,
+    e: usize,
+    tables: &[Vec<CodeLengths>],
+    encoders: &[Vec<Encoder>],
+    opts: &EncodeOptions,
+) -> Vec<u8> {
+    let n = b.planes.len() / e;
+    let mut out = Vec::with_capacity(b.planes.len() + 16 * e);
+    let budget = (n as f64 * opts.max_coded_fraction).floor() as usize;
+    for k in 0..e {
+        let plane = b.planes.get(k * n..(k + 1) * n).unwrap_or(&[]);
+        if let (true, Some(&v)) = (is_constant(plane), plane.first()) {
+            out.extend_from_slice(&[MODE_CONST, v]);
+            continue;
+        }
+        let coded: Option<(u8, Vec<u8>)> = match opts.coder {
+            Coder::SharedHuffman { .. } => {
+                let ts = tables.get(k).map_or(&[][..], Vec::as_slice);
+                let h = b.hists.get(k);
+                match h.map(|h| best_table(ts, h)) {
+                    Some((t, bits)) if (bits.div_ceil(8) as usize) < budget => {
+                        encoders.get(k).and_then(|es| es.get(t)).map(|enc| {
+                            let mut s = Vec::with_capacity(bits.div_ceil(8) as usize);
+                            enc.encode(plane, &mut s);
+                            (MODE_HUFFMAN + t as u8, s)
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            Coder::Zstd { level } => zstd::bulk::compress(plane, level)
+                .ok()
+                .map(|s| (MODE_ZSTD, s)),
+        };
+        match coded {
+            Some((mode, s)) if s.len() + 6 <= budget => {
+                out.push(mode);
+                put_varint(&mut out, s.len() as u64);
+                out.extend_from_slice(&s);
+            }
+            _ => {
+                out.push(MODE_RAW);
+                out.extend_from_slice(plane);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,318 @@
+//! The serialized layout (version 1), as specified in `docs/FORMAT.md`, and its checks.
+//!
+//! Bytes handed to [`BlockStore::from_bytes`] are treated as hostile: every size is checked
+//! against what is actually present before anything is allocated from it, block lengths
+//! must tile the payload exactly, and every block is verified against its digest.
+#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::encode::{decoders_for, num_blocks};
+use crate::error::hex;
+use crate::huffman::CodeLengths;
+use crate::{BlockStore, Error, Result, StoredBytes, ValueKind};
+
+/// First bytes of every serialized store.
+pub const MAGIC: [u8; 8] = *b"CMBLOCKS";
+/// The version this build writes; it reads versions listed in `SUPPORTED`.
+pub(crate) const VERSION: u16 = 1;
+const SUPPORTED: &str = "1";
+/// Fixed part of the header.
+pub(crate) const FIXED_HEADER: usize = 32;
+/// Largest raw block (rows x row bytes) accepted: 256 MiB.
+pub(crate) const MAX_BLOCK_BYTES: usize = 1 << 28;
+/// Most shared tables per plane.
+pub(crate) const MAX_TABLES: usize = 16;
+/// Bytes per shared table.
+const TABLE_BYTES: usize = 128;
+
+/// Plane mode tags (wire values; retired tags leave gaps).
+pub(crate) const MODE_RAW: u8 = 0;
+pub(crate) const MODE_CONST: u8 = 1;
+pub(crate) const MODE_ZSTD: u8 = 2;
+/// `MODE_HUFFMAN + t` codes a plane with shared table `t` (0..16).
+pub(crate) const MODE_HUFFMAN: u8 = 16;
+
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Reads a LEB128 value of at most 4 bytes (< 2^28, more than any block holds).
+pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {
+    let mut v = 0usize;
+    for i in 0..4 {
+        let b = *bytes
+            .get(*pos)
+            .ok_or_else(|| Error::Malformed("varint runs past the block".into()))?;
+        *pos += 1;
+        v |= usize::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err(Error::Malformed("varint longer than 4 bytes".into()))
+}
+
+pub(crate) fn stored_bytes(s: &BlockStore) -> StoredBytes {
+    let planes = s.tables.len() as u64;
+    StoredBytes {
+        header: FIXED_HEADER as u64 + planes,
+        tables: s
+            .tables
+            .iter()
+            .map(|t| (t.len() * TABLE_BYTES) as u64)
+            .sum(),
+        offsets: 4 * s.digests.len() as u64,
+        digests: 32 * s.digests.len() as u64,
+        payload: s.payload.len() as u64,
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let slice = end
+            .and_then(|e| self.bytes.get(self.pos..e))
+            .ok_or_else(|| {
+                Error::Malformed(format!(
+                    "truncated: {what} needs {n} bytes, {} left",
+                    self.bytes.len() - self.pos
+                ))
+            })?;
+        self.pos += n;
+        Ok(slice)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N, what)?);
+        Ok(a)
+    }
+
+    fn left(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+}
+
+impl BlockStore {
+    /// Serializes the store (deterministic: the same store gives the same bytes).
+    #[must_use]
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(usize::try_from(self.stored_bytes().total()).unwrap_or(0));
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.push(self.kind.tag());
+        out.push(0); // flags: none defined in version 1
+        out.extend_from_slice(&(self.block_rows as u32).to_le_bytes());
+        out.extend_from_slice(&self.rows.to_le_bytes());
+        out.extend_from_slice(&(self.row_bytes as u64).to_le_bytes());
+        for plane in &self.tables {
+            out.push(plane.len() as u8);
+            for t in plane {
+                out.extend_from_slice(&t.to_nibbles());
+            }
+        }
+        for w in self.offsets.windows(2) {
+            if let [a, b] = w {
+                out.extend_from_slice(&((b - a) as u32).to_le_bytes());
+            }
+        }
+        for d in &self.digests {
+            out.extend_from_slice(d);
+        }
+        out.extend_from_slice(&self.payload);
+        out
+    }
+
+    /// Parses a serialized store and verifies every block (on all cores).
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] for anything that does not follow the layout (truncation,
+    /// bad tags, block lengths that do not tile the payload, trailing bytes),
+    /// [`Error::UnsupportedVersion`], and [`Error::ChecksumMismatch`] naming the block.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader { bytes, pos: 0 };
+        if r.array::<8>("magic")? != MAGIC {
+            return Err(Error::Malformed("not a block store (bad magic)".into()));
+        }
+        let version = u16::from_le_bytes(r.array::<2>("version")?);
+        if version != VERSION {
+            return Err(Error::UnsupportedVersion {
+                found: version,
+                supported: SUPPORTED,
+            });
+        }
+        let [tag, flags] = r.array::<2>("kind and flags")?;
+        let kind = ValueKind::from_tag(tag)
+            .ok_or_else(|| Error::Malformed(format!("unknown value kind tag {tag}")))?;
+        if flags != 0 {
+            return Err(Error::Malformed(format!("unknown flags {flags:#04x}")));
+        }
+        let block_rows = u32::from_le_bytes(r.array::<4>("block rows")?) as usize;
+        let rows = u64::from_le_bytes(r.array::<8>("rows")?);
+        let row_bytes = u64::from_le_bytes(r.array::<8>("row bytes")?);
+        let e = kind.element_size().bytes();
+        let row_bytes = usize::try_from(row_bytes)
+            .ok()
+            .filter(|rb| rb % e == 0)
+            .ok_or_else(|| {
+                Error::Malformed(format!(
+                    "row of {row_bytes} bytes is not a whole number of {e}-byte elements"
+                ))
+            })?;
+        if block_rows == 0
+            || block_rows
+                .checked_mul(row_bytes)
+                .is_none_or(|b| b > MAX_BLOCK_BYTES)
+        {
+            return Err(Error::Malformed(format!(
+                "block of {block_rows} rows of {row_bytes} bytes is out of range"
+            )));
+        }
+        if usize::try_from(rows)
+            .ok()
+            .and_then(|r| r.checked_mul(row_bytes))
+            .is_none()
+        {
+            return Err(Error::Malformed(format!(
+                "{rows} rows of {row_bytes} bytes overflow"
+            )));
+        }
+        let mut tables = Vec::with_capacity(e);
+        for plane in 0..e {
+            let [count] = r.array::<1>("table count")?;
+            if usize::from(count) > MAX_TABLES {
+                return Err(Error::Malformed(format!(
+                    "plane {plane} has {count} tables (at most {MAX_TABLES})"
+                )));
+            }
+            let mut ts = Vec::with_capacity(usize::from(count));
+            for _ in 0..count {
+                ts.push(CodeLengths::from_nibbles(
+                    r.take(TABLE_BYTES, "code table")?,
+                )?);
+            }
+            tables.push(ts);
+        }
+        let nb = num_blocks(rows, block_rows);
+        // cap before allocating: the index alone needs 36 bytes per block
+        if nb.checked_mul(36).is_none_or(|need| need > r.left()) {
+            return Err(Error::Malformed(format!(
+                "{nb} blocks need an index of {} bytes, {} left",
+                nb.saturating_mul(36),
+                r.left()
+            )));
+        }
+        let max_block = block_rows * row_bytes + 8 * e + 16;
+        let mut offsets = Vec::with_capacity(nb + 1);
+        offsets.push(0usize);
+        let lens = r.take(4 * nb, "block lengths")?;
+        let mut end = 0usize;
+        for (b, l) in lens.chunks_exact(4).enumerate() {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(l);
+            let l = u32::from_le_bytes(w) as usize;
+            if l > max_block {
+                return Err(Error::BadBlock {
+                    block: b,
+                    reason: format!("length {l} exceeds the largest possible {max_block}"),
+                });
+            }
+            end += l;
+            offsets.push(end);
+        }
+        let digests: Vec<[u8; 32]> = r
+            .take(32 * nb, "digests")?
+            .chunks_exact(32)
+            .map(|d| {
+                let mut a = [0u8; 32];
+                a.copy_from_slice(d);
+                a
+            })
+            .collect();
+        if end != r.left() {
+            return Err(Error::Malformed(format!(
+                "block lengths add up to {end} bytes but the payload has {}",
+                r.left()
+            )));
+        }
+        let payload = r.take(end, "payload")?.to_vec();
+        let store = Self {
+            kind,
+            rows,
+            row_bytes,
+            block_rows,
+            decoders: decoders_for(&tables),
+            tables,
+            offsets,
+            digests,
+            payload,
+            verify_on_decode: false,
+        };
+        store.verify_all()?;
+        Ok(store)
+    }
+
+    /// The coded bytes of one block.
+    pub(crate) fn block_bytes(&self, block: usize) -> Result<&[u8]> {
+        let (Some(&a), Some(&b)) = (self.offsets.get(block), self.offsets.get(block + 1)) else {
+            return Err(Error::Malformed(format!("block {block} does not exist")));
+        };
+        self.payload.get(a..b).ok_or_else(|| Error::BadBlock {
+            block,
+            reason: "offsets outside the payload".into(),
+        })
+    }
+
+    /// Checks one block against its SHA-256 digest.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] naming the block and both digests.
+    pub fn verify_block(&self, block: usize) -> Result<()> {
+        let bytes = self.block_bytes(block)?;
+        let actual: [u8; 32] = Sha256::digest(bytes).into();
+        let expected = self
+            .digests
+            .get(block)
+            .ok_or_else(|| Error::Malformed(format!("block {block} has no digest")))?;
+        if &actual == expected {
+            Ok(())
+        } else {
+            Err(Error::ChecksumMismatch {
+                block,
+                expected: hex(expected),
+                actual: hex(&actual),
+            })
+        }
+    }
+
+    /// Checks every block against its digest, on all cores; reports the lowest failing block.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] for the first block (by index) that fails.
+    pub fn verify_all(&self) -> Result<()> {
+        let failures: Vec<Error> = (0..self.num_blocks())
+            .into_par_iter()
+            .filter_map(|b| self.verify_block(b).err())
+            .collect();
+        failures.into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Flips one payload byte (tests and corruption drills only).
+    #[doc(hidden)]
+    pub fn corrupt_payload_byte_for_tests(&mut self, index: usize) {
+        if let Some(b) = self.payload.get_mut(index) {
+            *b ^= 0x5a;
+        }
+    }
+}

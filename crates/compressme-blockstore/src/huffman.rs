@@ -1,0 +1,470 @@
+//! Length-limited canonical Huffman codes over bytes, shared across blocks.
+//!
+//! A table is 256 code lengths (0..=[`MAX_LEN`]); codes are canonical (sorted by length,
+//! then symbol) and written least-significant bit first, bit-reversed, so that the decoder
+//! indexes a `2^MAX_LEN` lookup table with the next bits of the stream.
+#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+
+use crate::{Error, Result};
+
+/// Longest code; also the lookup table's index width.
+pub(crate) const MAX_LEN: u8 = 12;
+const TABLE_SIZE: usize = 1 << MAX_LEN;
+
+/// Code lengths for the 256 byte values; 0 means the symbol has no code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CodeLengths(pub(crate) [u8; 256]);
+
+impl CodeLengths {
+    /// Builds lengths from counts: symbols that occur get a code of at most `MAX_LEN` bits,
+    /// symbols that never occur get none.
+    pub(crate) fn from_counts(counts: &[u64; 256]) -> Self {
+        let used = counts.iter().filter(|&&c| c > 0).count();
+        if used <= 1 {
+            // a single symbol still needs one bit per occurrence to be a prefix code
+            let mut lens = [0u8; 256];
+            let s = counts.iter().position(|&c| c > 0).unwrap_or(0);
+            if let Some(l) = lens.get_mut(s) {
+                *l = 1;
+            }
+            return Self(lens);
+        }
+        // floor rare counts at 2^-14 of the total, so the length limit rarely binds
+        let total: u64 = counts.iter().sum();
+        let floor = (total >> 14).max(1);
+        // Huffman tree by repeated merging of the two lightest nodes; ties by node index,
+        // so the result is deterministic.
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let mut parent: Vec<usize> = vec![usize::MAX; 511];
+        let mut heap: BinaryHeap<Reverse<(u64, usize)>> = counts
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| c > 0)
+            .map(|(s, &c)| Reverse((c.max(floor), s)))
+            .collect();
+        let mut next = 256;
+        while heap.len() > 1 {
+            let (Some(Reverse((wa, a))), Some(Reverse((wb, b)))) = (heap.pop(), heap.pop()) else {
+                break;
+            };
+            for child in [a, b] {
+                if let Some(p) = parent.get_mut(child) {
+                    *p = next;
+                }
+            }
+            heap.push(Reverse((wa.saturating_add(wb), next)));
+            next += 1;
+        }
+        let mut depth = [0u32; 256];
+        for (s, d) in depth
+            .iter_mut()
+            .enumerate()
+            .filter(|&(s, _)| counts.get(s).is_some_and(|&c| c > 0))
+        {
+            let mut node = s;
+            let mut n = 0;
+            while let Some(&p) = parent.get(node) {
+                if p == usize::MAX {
+                    break;
+                }
+                node = p;
+                n += 1;
+            }
+            *d = n;
+        }
+        // Enforce the length limit (as miniz does): clamp, then repair the Kraft sum.
+        let max = u32::from(MAX_LEN);
+        let mut num = [0u32; 64];
+        for &d in depth.iter().filter(|&&d| d > 0) {
+            if let Some(slot) = num.get_mut(d.min(max) as usize) {
+                *slot += 1;
+            }
+        }
+        let mut kraft: u64 = (1..=max)
+            .map(|l| u64::from(num.get(l as usize).copied().unwrap_or(0)) << (max - l))
+            .sum();
+        while kraft > 1u64 << max {
+            if let Some(slot) = num.get_mut(max as usize) {
+                *slot -= 1;
+            }
+            for l in (1..max).rev() {
+                if num.get(l as usize).copied().unwrap_or(0) > 0 {
+                    if let Some(slot) = num.get_mut(l as usize) {
+                        *slot -= 1;
+                    }
+                    if let Some(slot) = num.get_mut(l as usize + 1) {
+                        *slot += 2;
+                    }
+                    break;
+                }
+            }
+            kraft -= 1;
+        }
+        // Hand the lengths out again: most frequent symbol gets the shortest code.
+        let mut order: Vec<usize> = (0..256)
+            .filter(|&s| counts.get(s).is_some_and(|&c| c > 0))
+            .collect();
+        order.sort_by(|&a, &b| counts.get(b).cmp(&counts.get(a)).then(a.cmp(&b)));
+        let mut lens = [0u8; 256];
+        let mut it = order.into_iter();
+        for l in 1..=max {
+            for _ in 0..num.get(l as usize).copied().unwrap_or(0) {
+                if let Some(s) = it.next()
+                    && let Some(slot) = lens.get_mut(s)
+                {
+                    *slot = l as u8;
+                }
+            }
+        }
+        Self(lens)
+    }
+
+    /// Bits to code a histogram with these lengths; `u64::MAX` when a symbol that occurs
+    /// has no code.
+    pub(crate) fn cost_bits(&self, counts: &[u64; 256]) -> u64 {
+        let mut bits = 0u64;
+        for (&c, &l) in counts.iter().zip(self.0.iter()) {
+            if c > 0 && l == 0 {
+                return u64::MAX;
+            }
+            bits += c * u64::from(l);
+        }
+        bits
+    }
+
+    /// Serialized form: 128 bytes, two 4-bit lengths per byte, low nibble first.
+    pub(crate) fn to_nibbles(&self) -> [u8; 128] {
+        let mut out = [0u8; 128];
+        for (o, pair) in out.iter_mut().zip(self.0.chunks_exact(2)) {
+            if let [lo, hi] = pair {
+                *o = lo | (hi << 4);
+            }
+        }
+        out
+    }
+
+    /// Parses and validates the serialized form: lengths in 0..=MAX_LEN, at least one code,
+    /// and a prefix code (Kraft sum at most one). Empty decode slots are caught by the decoder.
+    pub(crate) fn from_nibbles(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != 128 {
+            return Err(Error::Malformed(format!(
+                "code table has {} bytes, expected 128",
+                bytes.len()
+            )));
+        }
+        let mut lens = [0u8; 256];
+        for (pair, &b) in lens.chunks_exact_mut(2).zip(bytes) {
+            if let [lo, hi] = pair {
+                *lo = b & 0x0f;
+                *hi = b >> 4;
+            }
+        }
+        let mut kraft = 0u64;
+        for &l in lens.iter().filter(|&&l| l > 0) {
+            if l > MAX_LEN {
+                return Err(Error::Malformed(format!(
+                    "code length {l} outside 0..={MAX_LEN}"
+                )));
+            }
+            kraft += 1u64 << (MAX_LEN - l);
+        }
+        if kraft == 0 || kraft > TABLE_SIZE as u64 {
+            return Err(Error::Malformed("code table is not a prefix code".into()));
+        }
+        Ok(Self(lens))
+    }
+
+    /// Canonical codes, bit-reversed for LSB-first writing.
+    fn reversed_codes(&self) -> [u16; 256] {
+        let mut count = [0u16; MAX_LEN as usize + 2];
+        for &l in &self.0 {
+            if let Some(c) = count.get_mut(l as usize) {
+                *c += 1;
+            }
+        }
+        let mut next = [0u16; MAX_LEN as usize + 2];
+        let mut code = 0u16;
+        for l in 1..=MAX_LEN as usize {
+            code = (code + count.get(l - 1).copied().unwrap_or(0)) << 1;
+            if let Some(n) = next.get_mut(l) {
+                *n = code;
+            }
+        }
+        // count[0] must not shift codes: lengths are all >= 1 for a valid table
+        let mut out = [0u16; 256];
+        for (s, &l) in self.0.iter().enumerate().filter(|&(_, &l)| l > 0) {
+            let Some(n) = next.get_mut(l as usize) else {
+                continue;
+            };
+            let c = *n;
+            *n += 1;
+            if let Some(o) = out.get_mut(s) {
+                *o = c.reverse_bits() >> (16 - u32::from(l));
+            }
+        }
+        out
+    }
+}
+
+/// An encoder for one table.
+pub(crate) struct Encoder {
+    codes: [u16; 256],
+    lens: [u8; 256],
+}
+
+impl Encoder {
+    pub(crate) fn new(lengths: &CodeLengths) -> Self {
+        // Canonical code assignment for lengths that start at 1: `count[0]` is zero.
+        Self {
+            codes: lengths.reversed_codes(),
+            lens: lengths.0,
+        }
+    }
+
+    /// Appends the coded bytes of `symbols` to `out`.
+    pub(crate) fn encode(&self, symbols: &[u8], out: &mut Vec<u8>) {
+        let mut acc: u64 = 0;
+        let mut n: u32 = 0;
+        for &s in symbols {
+            let (c, l) = (
+                self.codes.get(usize::from(s)).copied().unwrap_or(0),
+                self.lens.get(usize::from(s)).copied().unwrap_or(0),
+            );
+            acc |= u64::from(c) << n;
+            n += u32::from(l);
+            if n >= 32 {
+                out.extend_from_slice(&(acc as u32).to_le_bytes());
+                acc >>= 32;
+                n -= 32;
+            }
+        }
+        while n > 0 {
+            out.push(acc as u8);
+            acc >>= 8;
+            n = n.saturating_sub(8);
+        }
+    }
+}
+
+/// A decoding table: `2^MAX_LEN` entries of (symbol, length).
+pub(crate) struct Decoder {
+    table: Box<[u16; TABLE_SIZE]>,
+}
+
+impl std::fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("huffman::Decoder")
+    }
+}
+
+impl Decoder {
+    pub(crate) fn new(lengths: &CodeLengths) -> Self {
+        let codes = lengths.reversed_codes();
+        let mut table = Box::new([0u16; TABLE_SIZE]);
+        for s in (0..256usize).filter(|&s| lengths.0.get(s).is_some_and(|&l| l > 0)) {
+            let l = lengths.0.get(s).copied().unwrap_or(MAX_LEN);
+            let c = codes.get(s).copied().unwrap_or(0) as usize;
+            let entry = (s as u16) | (u16::from(l) << 8);
+            let mut i = c;
+            while i < TABLE_SIZE {
+                if let Some(e) = table.get_mut(i) {
+                    *e = entry;
+                }
+                i += 1 << l;
+            }
+        }
+        Self { table }
+    }
+
+    /// Decodes the first `out.len()` symbols of `stream`; with `exact`, they must be all of
+    /// it (no whole byte left over).
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] when the stream ends before the symbols do, or (with `exact`)
+    /// has bytes left.
+    pub(crate) fn decode(&self, stream: &[u8], out: &mut [u8], exact: bool) -> Result<()> {
+        let mut pos = 0usize; // next byte of `stream` to load
+        let mut acc: u64 = 0;
+        let mut bits: u32 = 0; // valid bits in `acc`
+        let mut consumed: u64 = 0; // bits used
+        let mask = (TABLE_SIZE - 1) as u64;
+        let mut empty_slot = false; // an entry of length 0: bits that no code starts with
+        let mut chunks = out.chunks_exact_mut(4);
+        for quad in &mut chunks {
+            // refill to at least 48 bits: 4 symbols of at most 12 bits
+            if let Some(word) = stream.get(pos..pos + 8) {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(word);
+                acc |= u64::from_le_bytes(w) << bits;
+                pos += ((63 - bits) >> 3) as usize;
+                bits |= 56;
+            } else {
+                while bits <= 56 {
+                    let b = stream.get(pos).copied().unwrap_or(0);
+                    acc |= u64::from(b) << bits;
+                    pos += 1;
+                    bits += 8;
+                }
+            }
+            for o in quad.iter_mut() {
+                let e = self.table.get((acc & mask) as usize).copied().unwrap_or(0);
+                let l = u32::from(e >> 8);
+                empty_slot |= l == 0;
+                *o = e as u8;
+                acc >>= l;
+                bits -= l;
+                consumed += u64::from(l);
+            }
+        }
+        for o in chunks.into_remainder() {
+            while bits <= 56 {
+                let b = stream.get(pos).copied().unwrap_or(0);
+                acc |= u64::from(b) << bits;
+                pos += 1;
+                bits += 8;
+            }
+            let e = self.table.get((acc & mask) as usize).copied().unwrap_or(0);
+            let l = u32::from(e >> 8);
+            empty_slot |= l == 0;
+            *o = e as u8;
+            acc >>= l;
+            bits -= l;
+            consumed += u64::from(l);
+        }
+        if empty_slot {
+            return Err(Error::Malformed(
+                "coded plane holds bits that no code starts with".into(),
+            ));
+        }
+        let available = stream.len() as u64 * 8;
+        if consumed > available {
+            return Err(Error::Malformed(
+                "coded plane is shorter than its symbols".into(),
+            ));
+        }
+        if exact && available - consumed >= 8 {
+            return Err(Error::Malformed("coded plane has trailing bytes".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::indexing_slicing, clippy::unwrap_used)] // tests index fixed arrays
+mod tests {
+    use super::*;
+
+    fn counts_of(data: &[u8]) -> [u64; 256] {
+        let mut c = [0u64; 256];
+        for &b in data {
+            c[b as usize] += 1;
+        }
+        c
+    }
+
+    #[test]
+    fn lengths_are_limited_and_complete() {
+        let mut counts = [0u64; 256];
+        for (i, c) in counts.iter_mut().enumerate() {
+            *c = 1u64 << (i % 40); // very skewed: unlimited Huffman would go past 12
+        }
+        let lens = CodeLengths::from_counts(&counts);
+        assert!(lens.0.iter().all(|&l| (1..=MAX_LEN).contains(&l)));
+        // the 12-bit limit binds hard on this distribution: stay within 5% of entropy
+        let total: u64 = counts.iter().sum();
+        let h: f64 = counts
+            .iter()
+            .map(|&c| {
+                let p = c as f64 / total as f64;
+                -p * p.log2()
+            })
+            .sum();
+        let bits = lens.cost_bits(&counts) as f64 / total as f64;
+        assert!(bits < h * 1.05, "{bits} bits/symbol against entropy {h}");
+        let back = CodeLengths::from_nibbles(&lens.to_nibbles()).unwrap();
+        assert_eq!(back, lens);
+    }
+
+    #[test]
+    fn roundtrip_skewed_and_uniform() {
+        let skewed: Vec<u8> = (0..10_000u32).map(|i| (i * i % 7) as u8 + 120).collect();
+        let uniform: Vec<u8> = (0..10_001u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+            .collect();
+        for data in [skewed, uniform, vec![], vec![3]] {
+            let lens = CodeLengths::from_counts(&counts_of(&data));
+            let mut coded = Vec::new();
+            Encoder::new(&lens).encode(&data, &mut coded);
+            assert_eq!(
+                coded.len() as u64,
+                lens.cost_bits(&counts_of(&data)).div_ceil(8)
+            );
+            let mut out = vec![0u8; data.len()];
+            Decoder::new(&lens).decode(&coded, &mut out, true).unwrap();
+            assert_eq!(out, data);
+        }
+    }
+
+    #[test]
+    fn truncated_stream_is_an_error() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        let lens = CodeLengths::from_counts(&counts_of(&data));
+        let mut coded = Vec::new();
+        Encoder::new(&lens).encode(&data, &mut coded);
+        let mut out = vec![0u8; data.len()];
+        let err = Decoder::new(&lens)
+            .decode(&coded[..coded.len() - 2], &mut out, true)
+            .unwrap_err();
+        assert!(matches!(err, Error::Malformed(_)), "{err}");
+    }
+
+    #[test]
+    fn bad_tables_are_rejected() {
+        assert!(CodeLengths::from_nibbles(&[0x11; 128]).is_err()); // 256 codes of length 1
+        assert!(CodeLengths::from_nibbles(&[0x88; 127]).is_err());
+        assert!(CodeLengths::from_nibbles(&[0; 128]).is_err()); // no code at all
+        assert!(CodeLengths::from_nibbles(&[0x88; 128]).is_ok()); // 256 codes of length 8
+    }
+
+    #[test]
+    fn geometric_source_is_near_entropy() {
+        let mut counts = [0u64; 256];
+        for i in 0..20i32 {
+            counts[100 + i as usize] = (1e7 * 0.6f64.powi(i)) as u64;
+        }
+        let lens = CodeLengths::from_counts(&counts);
+        let total: u64 = counts.iter().sum();
+        let h: f64 = counts
+            .iter()
+            .filter(|&&c| c > 0)
+            .map(|&c| {
+                let p = c as f64 / total as f64;
+                -p * p.log2()
+            })
+            .sum();
+        let bits = lens.cost_bits(&counts) as f64 / total as f64;
+        // Huffman's own loss on a source whose top symbol has p = 0.4 is about 0.08 bits
+        assert!(bits < h + 0.1, "{bits} bits/symbol against entropy {h}");
+        assert_eq!(lens.0[0], 0, "a symbol that never occurs gets no code");
+        assert_eq!(
+            lens.cost_bits(&{
+                let mut c = [0u64; 256];
+                c[0] = 1;
+                c
+            }),
+            u64::MAX
+        );
+    }
+
+    #[test]
+    fn empty_slot_is_an_error_not_garbage() {
+        let mut counts = [0u64; 256];
+        counts[7] = 5;
+        let lens = CodeLengths::from_counts(&counts); // one code: "0"; "1" starts nothing
+        let mut out = [0u8; 4];
+        assert!(Decoder::new(&lens).decode(&[0x00], &mut out, true).is_ok());
+        assert_eq!(out, [7; 4]);
+        assert!(Decoder::new(&lens).decode(&[0x0f], &mut out, true).is_err());
+    }
+}
