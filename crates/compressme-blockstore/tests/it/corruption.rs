@@ -1,0 +1,156 @@
+use compressme_blockstore::{BlockStore, Coder, Error, ValueKind};
+use proptest::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::{store, weights_f32};
+
+fn sample() -> (Vec<u8>, BlockStore) {
+    let data = weights_f32(50, 8, 3);
+    let s = store(&data, 50, 32, ValueKind::F32, 16, Coder::default());
+    (data, s)
+}
+
+/// Where the digests and payload start in a serialized store (layout v1, see FORMAT.md).
+fn regions(bytes: &[u8], planes: usize, blocks: usize) -> (usize, usize) {
+    let mut pos = 32;
+    for _ in 0..planes {
+        let count = bytes[pos] as usize;
+        pos += 1 + 128 * count;
+    }
+    let digests = pos + 4 * blocks;
+    (digests, digests + 32 * blocks)
+}
+
+/// Rewrites every digest so the (tampered) payload passes its checksum: what a hostile
+/// writer could do. Decoding must still fail cleanly, never panic.
+fn reseal(bytes: &mut [u8], planes: usize, blocks: usize) {
+    let (digests, payload) = regions(bytes, planes, blocks);
+    let mut lens = Vec::new();
+    for b in 0..blocks {
+        let p = digests - 4 * blocks + 4 * b;
+        lens.push(u32::from_le_bytes(bytes[p..p + 4].try_into().unwrap()) as usize);
+    }
+    let mut start = payload;
+    for (b, len) in lens.into_iter().enumerate() {
+        let d: [u8; 32] = Sha256::digest(&bytes[start..start + len]).into();
+        bytes[digests + 32 * b..digests + 32 * (b + 1)].copy_from_slice(&d);
+        start += len;
+    }
+}
+
+#[test]
+fn flipped_payload_byte_names_the_block() {
+    let (_, s) = sample();
+    let bytes = s.to_bytes();
+    let (_, payload) = regions(&bytes, 4, s.num_blocks());
+    // a byte inside the second block
+    let second = payload + (bytes.len() - payload) / 2;
+    let mut bad = bytes.clone();
+    bad[second] ^= 1;
+    let err = BlockStore::from_bytes(&bad).unwrap_err();
+    let Error::ChecksumMismatch {
+        block,
+        expected,
+        actual,
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert!(*block == 1 || *block == 2, "{err}");
+    assert_ne!(expected, actual);
+    assert!(
+        err.to_string()
+            .starts_with(&format!("block {block} fails its SHA-256 check"))
+    );
+}
+
+#[test]
+fn verify_on_decode_catches_corruption_in_memory() {
+    let (_, mut s) = sample();
+    s.corrupt_payload_byte_for_tests(3);
+    assert!(matches!(
+        s.verify_all(),
+        Err(Error::ChecksumMismatch { block: 0, .. })
+    ));
+    s.set_verify_on_decode(true);
+    let mut out = vec![0u8; 32];
+    let err = s.decode_rows(&[0], &mut out).unwrap_err();
+    assert!(
+        matches!(err, Error::ChecksumMismatch { block: 0, .. }),
+        "{err}"
+    );
+    // rows of other blocks still decode
+    s.decode_rows(&[40], &mut out).unwrap();
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    let (_, s) = sample();
+    let bytes = s.to_bytes();
+    for len in 0..bytes.len() {
+        assert!(
+            BlockStore::from_bytes(&bytes[..len]).is_err(),
+            "prefix of {len} bytes accepted"
+        );
+    }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(matches!(
+        BlockStore::from_bytes(&longer),
+        Err(Error::Malformed(_))
+    ));
+}
+
+#[test]
+fn header_fields_are_checked() {
+    let (_, s) = sample();
+    let bytes = s.to_bytes();
+    let with = |at: usize, v: u8| {
+        let mut b = bytes.clone();
+        b[at] = v;
+        BlockStore::from_bytes(&b).unwrap_err()
+    };
+    assert!(with(0, b'X').to_string().contains("bad magic"));
+    assert!(matches!(
+        with(8, 2),
+        Error::UnsupportedVersion { found: 2, .. }
+    ));
+    assert!(
+        with(10, 99)
+            .to_string()
+            .contains("unknown value kind tag 99")
+    );
+    assert!(with(11, 1).to_string().contains("unknown flags"));
+    // a row count claiming far more blocks than the bytes hold: refused before allocating
+    let mut huge = bytes.clone();
+    huge[16..24].copy_from_slice(&(u64::MAX / 64).to_le_bytes());
+    assert!(BlockStore::from_bytes(&huge).is_err());
+}
+
+proptest! {
+    #[test]
+    fn decode_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..2000)) {
+        let _ = BlockStore::from_bytes(&bytes);
+        let mut with_magic = compressme_blockstore::MAGIC.to_vec();
+        with_magic.extend_from_slice(&[1, 0]);
+        with_magic.extend_from_slice(&bytes);
+        let _ = BlockStore::from_bytes(&with_magic);
+    }
+
+    #[test]
+    fn resealed_tampering_never_panics(flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)) {
+        let (_, s) = sample();
+        let mut bytes = s.to_bytes();
+        let (_, payload) = regions(&bytes, 4, s.num_blocks());
+        for (at, v) in flips {
+            let i = payload + at.index(bytes.len() - payload);
+            bytes[i] = v;
+        }
+        reseal(&mut bytes, 4, s.num_blocks());
+        if let Ok(t) = BlockStore::from_bytes(&bytes) {
+            let _ = t.decode_all();
+            let mut out = vec![0u8; 3 * 32];
+            let _ = t.decode_rows(&[0, 17, 49], &mut out);
+        }
+    }
+}

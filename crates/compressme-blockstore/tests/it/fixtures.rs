@@ -1,0 +1,56 @@
+//! Frozen files of every format version: they must decode forever.
+//! `COMPRESSME_BLESS=1 cargo test -p compressme-blockstore` writes them (only for a new version).
+
+use std::path::PathBuf;
+
+use compressme_blockstore::{BlockStore, Coder, Error, ValueKind};
+
+use crate::{store, weights_f32};
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/blockstore/v1")
+}
+
+fn cases() -> Vec<(&'static str, Vec<u8>, BlockStore)> {
+    let f32s = weights_f32(37, 12, 11);
+    let bf16: Vec<u8> = f32s.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+    vec![
+        (
+            "f32_huffman.cmbs",
+            f32s.clone(),
+            store(&f32s, 37, 48, ValueKind::F32, 16, Coder::default()),
+        ),
+        (
+            "bf16_huffman.cmbs",
+            bf16.clone(),
+            store(&bf16, 37, 24, ValueKind::Bf16, 4, Coder::default()),
+        ),
+        (
+            "f32_zstd.cmbs",
+            f32s.clone(),
+            store(&f32s, 37, 48, ValueKind::F32, 16, Coder::Zstd { level: 3 }),
+        ),
+    ]
+}
+
+#[test]
+fn v1_fixtures_decode_forever() {
+    for (name, data, fresh) in cases() {
+        let path = dir().join(name);
+        if std::env::var_os("COMPRESSME_BLESS").is_some() {
+            std::fs::create_dir_all(dir()).unwrap();
+            std::fs::write(&path, fresh.to_bytes()).unwrap();
+        }
+        let frozen = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let s = BlockStore::from_bytes(&frozen).unwrap();
+        assert_eq!(s.decode_all().unwrap(), data, "{name}");
+        // corrupt variant: the last byte of the payload flipped
+        let mut bad = frozen.clone();
+        *bad.last_mut().unwrap() ^= 0x01;
+        let last_block = s.num_blocks() - 1;
+        assert!(
+            matches!(BlockStore::from_bytes(&bad), Err(Error::ChecksumMismatch { block, .. }) if block == last_block),
+            "{name}"
+        );
+    }
+}
