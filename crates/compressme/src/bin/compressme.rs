@@ -1,0 +1,203 @@
+//! The `compressme` command-line tool.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use candle_core::{DType, Device, Module, Tensor};
+use clap::{Parser, Subcommand};
+use compressme::blockstore::Coder;
+use compressme::{PackOptions, PackedFrozenEmbedding};
+
+#[derive(Parser)]
+#[command(
+    name = "compressme",
+    version,
+    about = "Store trained neural-network weights in fewer bytes, with proof"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Pack a frozen embedding table losslessly, check every row, and time a batch lookup
+    /// against plain `index_select` (default: all-MiniLM-L6-v2's word embeddings).
+    LosslessDemo {
+        /// A safetensors file (default: cache/minilm/model.safetensors from `cargo xtask fixtures`).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The 2-D float tensor to pack.
+        #[arg(long, default_value = "embeddings.word_embeddings.weight")]
+        tensor: String,
+        /// Rows per block.
+        #[arg(long, default_value_t = 16)]
+        block_rows: usize,
+        /// Code planes with Zstandard at this level instead of shared Huffman tables.
+        #[arg(long)]
+        zstd_level: Option<i32>,
+        /// Also pack the table rounded to bf16.
+        #[arg(long, default_value_t = true)]
+        bf16: bool,
+        /// Lookup batch shape: batch x sequence random ids.
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        /// Lookup batch shape: batch x sequence random ids.
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Timed repetitions of each lookup (the median is reported).
+        #[arg(long, default_value_t = 51)]
+        reps: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::LosslessDemo {
+            model,
+            tensor,
+            block_rows,
+            zstd_level,
+            bf16,
+            batch,
+            seq,
+            reps,
+        } => {
+            let model = model.unwrap_or_else(|| PathBuf::from("cache/minilm/model.safetensors"));
+            let coder = zstd_level.map_or(Coder::default(), |level| Coder::Zstd { level });
+            let opts = PackOptions { block_rows, coder };
+            let table = load_table(&model, &tensor)?;
+            println!(
+                "{tensor} from {}: {:?} {:?}",
+                model.display(),
+                table.dims(),
+                table.dtype()
+            );
+            demo(&table, &opts, batch, seq, reps)?;
+            if bf16 && table.dtype() != DType::BF16 {
+                println!();
+                println!("the same table rounded to bf16:");
+                demo(&table.to_dtype(DType::BF16)?, &opts, batch, seq, reps)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn load_table(path: &Path, name: &str) -> Result<Tensor> {
+    let bytes = std::fs::read(path).with_context(|| {
+        format!(
+            "reading {} (run `cargo xtask fixtures` for the default model)",
+            path.display()
+        )
+    })?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    let view = st
+        .tensor(name)
+        .with_context(|| format!("tensor `{name}` not found in {}", path.display()))?;
+    let dtype = match view.dtype() {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::F64 => DType::F64,
+        other => bail!("tensor `{name}` has dtype {other:?}; lossless packing takes float tables"),
+    };
+    Ok(Tensor::from_raw_buffer(
+        view.data(),
+        dtype,
+        view.shape(),
+        &Device::Cpu,
+    )?)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn demo(table: &Tensor, opts: &PackOptions, batch: usize, seq: usize, reps: usize) -> Result<()> {
+    let t0 = Instant::now();
+    let packed = PackedFrozenEmbedding::new(table, opts)?;
+    let pack_time = t0.elapsed();
+    let t0 = Instant::now();
+    packed.store().verify_all()?;
+    let verify_time = t0.elapsed();
+    let s = packed.store().stored_bytes();
+    let dense = packed.dense_bytes();
+    println!(
+        "  stored {} bytes for {} dense: ratio {:.4} (payload {}, block lengths {}, digests {}, code tables {}, header {})",
+        s.total(),
+        dense,
+        s.total() as f64 / dense as f64,
+        s.payload,
+        s.offsets,
+        s.digests,
+        s.tables,
+        s.header
+    );
+    println!(
+        "  packed in {:.1} ms ({:.0} MB/s), all {} blocks verified in {:.1} ms",
+        pack_time.as_secs_f64() * 1e3,
+        dense as f64 / pack_time.as_secs_f64() / 1e6,
+        packed.store().num_blocks(),
+        verify_time.as_secs_f64() * 1e3
+    );
+    // every row, byte for byte
+    let t0 = Instant::now();
+    let snapshot = packed.weight()?;
+    let decode_time = t0.elapsed();
+    let same = snapshot
+        .flatten_all()?
+        .to_dtype(DType::F64)?
+        .to_vec1::<f64>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .eq(table
+            .flatten_all()?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?
+            .iter()
+            .map(|v| v.to_bits()));
+    if !same {
+        bail!("decoded table differs from the original");
+    }
+    println!(
+        "  every row decoded and identical in {:.1} ms ({:.0} MB/s, both cores)",
+        decode_time.as_secs_f64() * 1e3,
+        dense as f64 / decode_time.as_secs_f64() / 1e6
+    );
+
+    // a batch of random ids: packed lookup against plain index_select, interleaved
+    let rows = table.dims().first().copied().unwrap_or(0) as u64;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let ids: Vec<u32> = (0..batch * seq)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % rows.max(1)) as u32
+        })
+        .collect();
+    let ids = Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?;
+    let flat = ids.flatten_all()?;
+    let (mut tp, mut ti) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        let a = packed.forward(&ids)?;
+        tp.push(t0.elapsed());
+        let t0 = Instant::now();
+        let b = table.index_select(&flat, 0)?.reshape(a.dims())?;
+        ti.push(t0.elapsed());
+        std::hint::black_box((a, b));
+    }
+    let (mp, mi) = (median(tp), median(ti));
+    println!(
+        "  lookup of {batch}x{seq} random ids: packed {:.3} ms, index_select {:.3} ms, ratio {:.2}x (median of {reps})",
+        mp.as_secs_f64() * 1e3,
+        mi.as_secs_f64() * 1e3,
+        mp.as_secs_f64() / mi.as_secs_f64()
+    );
+    Ok(())
+}
