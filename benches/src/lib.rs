@@ -1,1 +1,69 @@
-//! Benchmarks live in benches/benches.
+//! Shared helpers for the benchmark binaries: loading the real table, random ids, timing.
+//!
+//! What it is not: a library for users; nothing here is part of compressme's API.
+//!
+//! # Example
+//! ```
+//! let ids = compressme_benches::random_ids(10, 100, 1);
+//! assert!(ids.iter().all(|&i| i < 100));
+//! ```
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+/// `n` pseudo-random ids below `rows` (xorshift64, fixed by `seed`).
+#[must_use]
+pub fn random_ids(n: usize, rows: u64, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % rows.max(1)) as u32
+        })
+        .collect()
+}
+
+/// Reads one tensor's raw bytes and shape from a safetensors file.
+///
+/// # Errors
+/// When the file cannot be read or parsed, or the tensor is absent.
+pub fn load_tensor(path: &std::path::Path, name: &str) -> Result<(Vec<u8>, Vec<usize>), String> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("{}: {e} (run `cargo xtask fixtures`)", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let view = st.tensor(name).map_err(|e| format!("`{name}`: {e}"))?;
+    Ok((view.data().to_vec(), view.shape().to_vec()))
+}
+
+/// f32 little-endian bytes rounded to bf16 (nearest even), little-endian.
+#[must_use]
+pub fn f32_to_bf16_bytes(f32s: &[u8]) -> Vec<u8> {
+    f32s.chunks_exact(4)
+        .flat_map(|c| {
+            let u = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let r = if (u & 0x7fff_ffff) > 0x7f80_0000 {
+                (u >> 16) | 0x40
+            } else {
+                (u + 0x7fff + ((u >> 16) & 1)) >> 16
+            };
+            (r as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// Median wall time of `reps` runs of `f` (after one warm-up run).
+pub fn median_time(reps: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    let mut v: Vec<Duration> = (0..reps.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    v.sort();
+    v[v.len() / 2]
+}

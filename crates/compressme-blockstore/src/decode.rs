@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::format::{MODE_CONST, MODE_HUFFMAN, MODE_RAW, MODE_ZSTD, get_varint};
+use crate::format::{MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RAW, MODE_ZSTD, get_varint};
 use crate::{BlockStore, Error, Result};
 
 /// Where one plane of the current block comes from.
@@ -24,6 +24,8 @@ pub struct Decoder<'s> {
     scratch: Vec<u8>,
     const_row: Vec<u8>,
     order: Vec<(u64, usize)>,
+    /// Rows of the current block that a request wants (row-indexed planes decode only these).
+    want: Vec<bool>,
     zstd: Option<zstd::bulk::Decompressor<'static>>,
 }
 
@@ -44,6 +46,7 @@ impl<'s> Decoder<'s> {
             scratch: Vec::new(),
             const_row: Vec::new(),
             order: Vec::new(),
+            want: Vec::new(),
             zstd: None,
         }
     }
@@ -89,6 +92,13 @@ impl<'s> Decoder<'s> {
                 let last = group.last().map_or(0, |(id, _)| (id % br) as usize);
                 let block = usize::try_from(block)
                     .map_err(|_| Error::Malformed("block index overflows".into()))?;
+                self.want.clear();
+                self.want.resize(last + 1, false);
+                for (id, _) in group {
+                    if let Some(w) = self.want.get_mut((id % br) as usize) {
+                        *w = true;
+                    }
+                }
                 let srcs = self.prepare(block, last + 1)?;
                 for &(id, pos) in group {
                     let dst = out
@@ -121,6 +131,8 @@ impl<'s> Decoder<'s> {
         if rb == 0 {
             return Ok(rows);
         }
+        self.want.clear();
+        self.want.resize(rows, true);
         let srcs = self.prepare(block, rows)?;
         for (r, dst) in out.chunks_exact_mut(rb).enumerate() {
             self.gather(&srcs, r, dst)?;
@@ -140,8 +152,9 @@ impl<'s> Decoder<'s> {
         Ok(usize::try_from((s.rows - start).min(s.block_rows as u64)).unwrap_or(0))
     }
 
-    /// Parses `block`, decodes its coded planes for the first `need` rows into scratch, and
-    /// says where each plane's bytes are.
+    /// Parses `block`, decodes its coded planes for the first `need` rows into scratch
+    /// (row-indexed planes: only the rows marked in `self.want`), and says where each
+    /// plane's bytes are.
     fn prepare(&mut self, block: usize, need: usize) -> Result<[Src; 8]> {
         let s = self.store;
         if s.verify_on_decode {
@@ -208,6 +221,42 @@ impl<'s> Decoder<'s> {
                         .map_err(|e| bad(&format!("zstd: {e}")))?;
                     if got != n {
                         return Err(bad(&format!("zstd plane holds {got} bytes, expected {n}")));
+                    }
+                    *src = Src::Scratch(k * n);
+                }
+                m if m >= MODE_HUFFMAN_ROWS => {
+                    let t = usize::from(m - MODE_HUFFMAN_ROWS);
+                    let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
+                    let body = bytes
+                        .get(pos..pos + len)
+                        .ok_or_else(|| bad("coded plane runs past the block"))?;
+                    pos += len;
+                    let dec = s.decoders.get(k).and_then(|ts| ts.get(t)).ok_or_else(|| {
+                        bad(&format!(
+                            "plane {k} names code table {t}, which does not exist"
+                        ))
+                    })?;
+                    let index_len = 2 * rows.saturating_sub(1);
+                    let (index, segs) = body
+                        .split_at_checked(index_len)
+                        .ok_or_else(|| bad("row index runs past the plane"))?;
+                    let mut start = 0usize;
+                    for r in 0..need.min(rows) {
+                        let end = match index.get(2 * r..2 * r + 2) {
+                            Some(&[lo, hi]) => start + usize::from(u16::from_le_bytes([lo, hi])),
+                            _ => segs.len(), // the last row takes the rest
+                        };
+                        let seg = segs
+                            .get(start..end)
+                            .ok_or_else(|| bad("row segment runs past the plane"))?;
+                        start = end;
+                        if self.want.get(r).copied().unwrap_or(false) {
+                            let dst = self
+                                .scratch
+                                .get_mut(k * n + r * re..k * n + (r + 1) * re)
+                                .ok_or_else(|| bad("scratch"))?;
+                            dec.decode(seg, dst, true).map_err(|e| e.in_block(block))?;
+                        }
                     }
                     *src = Src::Scratch(k * n);
                 }

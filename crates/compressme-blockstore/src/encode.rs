@@ -6,7 +6,8 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::format::{
-    MAX_BLOCK_BYTES, MAX_TABLES, MODE_CONST, MODE_HUFFMAN, MODE_RAW, MODE_ZSTD, put_varint,
+    MAX_BLOCK_BYTES, MAX_TABLES, MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RAW, MODE_ZSTD,
+    put_varint,
 };
 use crate::huffman::{CodeLengths, Decoder, Encoder};
 use crate::{BlockStore, Coder, EncodeOptions, Error, Result, ValueKind};
@@ -36,29 +37,80 @@ pub(crate) fn rotate(kind: ValueKind, bytes: &mut [u8]) {
     }
 }
 
-struct PlanedBlock {
-    /// `E` planes of `n` bytes each, back to back (the shuffled block).
-    planes: Vec<u8>,
-    hists: Vec<Histogram>,
+/// Row-indexed body: u16 byte lengths of rows `0..rows-1` (the last row's is implied),
+/// then each row's own byte-aligned stream.
+fn encode_rows(enc: &Encoder, plane: &[u8], re: usize, out: &mut Vec<u8>) {
+    let mut segs = Vec::with_capacity(plane.len());
+    let mut lens = Vec::new();
+    for row in plane.chunks(re.max(1)) {
+        let before = segs.len();
+        enc.encode(row, &mut segs);
+        lens.push(segs.len() - before);
+    }
+    lens.pop();
+    for l in lens {
+        // a row of at most 2^16 elements codes to at most 12 bits each: refuse wider rows
+        // before this point (see `validate`), so the length always fits
+        out.extend_from_slice(&(l as u16).to_le_bytes());
+    }
+    out.extend_from_slice(&segs);
 }
 
-fn plane_block(kind: ValueKind, block: &[u8]) -> PlanedBlock {
-    let size = kind.element_size();
-    let e = size.bytes();
-    let mut tmp = block.to_vec();
-    rotate(kind, &mut tmp);
-    let planes = compressme_shuffle::shuffle(size, &tmp);
-    let n = planes.len() / e;
-    let hists = (0..e)
-        .map(|k| {
-            let mut h = [0u64; 256];
-            for &b in planes.get(k * n..(k + 1) * n).unwrap_or(&[]) {
-                h[usize::from(b)] += 1;
-            }
-            h
-        })
-        .collect();
-    PlanedBlock { planes, hists }
+/// What the first pass learns of a block: per plane, its histogram and whether it is
+/// constant. The planes themselves are made again when the block is encoded, so the
+/// whole tensor is never held twice.
+struct BlockStats {
+    rows: usize,
+    hists: Vec<Histogram>,
+    constant: Vec<bool>,
+}
+
+/// Per-thread buffers for making the planes of one block.
+#[derive(Default)]
+struct Scratch {
+    rotated: Vec<u8>,
+    planes: Vec<u8>,
+}
+
+/// Rotates and shuffles `block` into `scratch.planes` (`E` planes of `n` bytes each).
+fn make_planes(kind: ValueKind, block: &[u8], scratch: &mut Scratch) {
+    scratch.rotated.clear();
+    scratch.rotated.extend_from_slice(block);
+    rotate(kind, &mut scratch.rotated);
+    scratch.planes.resize(block.len(), 0);
+    // lengths are equal by construction
+    let _ = compressme_shuffle::shuffle_into(
+        kind.element_size(),
+        &scratch.rotated,
+        &mut scratch.planes,
+    );
+}
+
+fn block_stats(
+    kind: ValueKind,
+    block: &[u8],
+    row_bytes: usize,
+    scratch: &mut Scratch,
+) -> BlockStats {
+    let e = kind.element_size().bytes();
+    make_planes(kind, block, scratch);
+    let n = block.len() / e;
+    let planes = (0..e).map(|k| scratch.planes.get(k * n..(k + 1) * n).unwrap_or(&[]));
+    let mut hists = Vec::with_capacity(e);
+    let mut constant = Vec::with_capacity(e);
+    for plane in planes {
+        let mut h = [0u64; 256];
+        for &b in plane {
+            h[usize::from(b)] += 1;
+        }
+        hists.push(h);
+        constant.push(is_constant(plane));
+    }
+    BlockStats {
+        rows: block.len().checked_div(row_bytes).unwrap_or(0),
+        hists,
+        constant,
+    }
 }
 
 fn is_constant(plane: &[u8]) -> bool {
@@ -112,12 +164,18 @@ fn cluster_tables(hists: &[&Histogram], k: usize) -> Vec<CodeLengths> {
     };
     let mut tables = vec![CodeLengths::from_counts(&sum_hists(hists.iter().copied()))];
     let mut best = (total_cost(&tables), tables.clone());
+    let entropies: Vec<f64> = if k > 1 {
+        hists.iter().map(|h| entropy_bits(h)).collect()
+    } else {
+        Vec::new()
+    };
     // one split per extra table allowed; a split whose seed wins no block just shrinks back
     for _ in 1..k.min(hists.len()) {
         // seed a new table with the block the current tables serve worst
         let seed = hists
             .iter()
-            .map(|h| best_table(&tables, h).1.min(u64::MAX >> 12) as f64 - entropy_bits(h))
+            .zip(&entropies)
+            .map(|(h, e)| best_table(&tables, h).1.min(u64::MAX >> 12) as f64 - e)
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
             .map_or(0, |(i, _)| i);
@@ -177,6 +235,12 @@ fn validate(data: &[u8], rows: u64, row_bytes: usize, opts: &EncodeOptions) -> R
             opts.block_rows
         ));
     }
+    if opts.row_index && row_bytes / e > 40_000 {
+        return bad(format!(
+            "a row index needs rows of at most 40000 elements, got {}",
+            row_bytes / e
+        ));
+    }
     if !(opts.max_coded_fraction > 0.0 && opts.max_coded_fraction <= 1.0) {
         return bad(format!(
             "max_coded_fraction {} is not in (0, 1]",
@@ -215,21 +279,27 @@ impl BlockStore {
             data.chunks(block_bytes).collect()
         };
 
-        let planed: Vec<PlanedBlock> = if opts.parallel {
-            chunks.par_iter().map(|c| plane_block(kind, c)).collect()
+        let stats: Vec<BlockStats> = if opts.parallel {
+            chunks
+                .par_iter()
+                .map_init(Scratch::default, |sc, c| {
+                    block_stats(kind, c, row_bytes, sc)
+                })
+                .collect()
         } else {
-            chunks.iter().map(|c| plane_block(kind, c)).collect()
+            let mut sc = Scratch::default();
+            chunks
+                .iter()
+                .map(|c| block_stats(kind, c, row_bytes, &mut sc))
+                .collect()
         };
 
         let tables: Vec<Vec<CodeLengths>> = match opts.coder {
             Coder::SharedHuffman { max_tables } => (0..e)
                 .map(|k| {
-                    let hs: Vec<&Histogram> = planed
+                    let hs: Vec<&Histogram> = stats
                         .iter()
-                        .filter(|b| {
-                            let n = b.planes.len() / e;
-                            !is_constant(b.planes.get(k * n..(k + 1) * n).unwrap_or(&[]))
-                        })
+                        .filter(|b| !b.constant.get(k).copied().unwrap_or(true))
                         .filter_map(|b| b.hists.get(k))
                         .collect();
                     cluster_tables(&hs, usize::from(max_tables))
@@ -242,15 +312,25 @@ impl BlockStore {
             .map(|ts| ts.iter().map(Encoder::new).collect())
             .collect();
 
-        let encode_one = |b: &PlanedBlock| -> (Vec<u8>, [u8; 32]) {
-            let out = encode_block(b, e, &tables, &encoders, opts);
+        let encode_one = |sc: &mut Scratch, (c, b): (&&[u8], &BlockStats)| -> (Vec<u8>, [u8; 32]) {
+            make_planes(kind, c, sc);
+            let out = encode_block(&sc.planes, b, e, &tables, &encoders, opts);
             let digest: [u8; 32] = Sha256::digest(&out).into();
             (out, digest)
         };
         let coded: Vec<(Vec<u8>, [u8; 32])> = if opts.parallel {
-            planed.par_iter().map(encode_one).collect()
+            chunks
+                .par_iter()
+                .zip(stats.par_iter())
+                .map_init(Scratch::default, encode_one)
+                .collect()
         } else {
-            planed.iter().map(encode_one).collect()
+            let mut sc = Scratch::default();
+            chunks
+                .iter()
+                .zip(stats.iter())
+                .map(|x| encode_one(&mut sc, x))
+                .collect()
         };
 
         let mut offsets = Vec::with_capacity(coded.len() + 1);
@@ -274,8 +354,44 @@ impl BlockStore {
             payload,
             verify_on_decode: false,
         };
-        store.verify_all()?;
+        // verified at build: every block decodes to exactly the bytes it was made from
+        store.check_against(data, opts.parallel)?;
         Ok(store)
+    }
+
+    /// Decodes every block and compares it with `data`; an encoder bug surfaces here as an
+    /// error naming the block instead of as a silently wrong store.
+    fn check_against(&self, data: &[u8], parallel: bool) -> Result<()> {
+        let chunk = (self.block_rows * self.row_bytes).max(1);
+        let check = |dec: &mut crate::Decoder<'_>,
+                     buf: &mut Vec<u8>,
+                     (b, want): (usize, &[u8])|
+         -> Result<()> {
+            buf.resize(want.len(), 0);
+            dec.decode_block(b, buf)?;
+            if buf.as_slice() == want {
+                Ok(())
+            } else {
+                Err(Error::BadBlock {
+                    block: b,
+                    reason: "encoder produced a block that does not decode to its input".into(),
+                })
+            }
+        };
+        if self.row_bytes == 0 {
+            return Ok(());
+        }
+        if parallel {
+            data.par_chunks(chunk).enumerate().try_for_each_init(
+                || (self.decoder(), Vec::new()),
+                |(d, buf), x| check(d, buf, x),
+            )
+        } else {
+            let (mut d, mut buf) = (self.decoder(), Vec::new());
+            data.chunks(chunk)
+                .enumerate()
+                .try_for_each(|x| check(&mut d, &mut buf, x))
+        }
     }
 }
 
@@ -291,18 +407,20 @@ pub(crate) fn decoders_for(tables: &[Vec<CodeLengths>]) -> Vec<Vec<Arc<Decoder>>
 }
 
 fn encode_block(
-    b: &PlanedBlock,
+    planes: &[u8],
+    b: &BlockStats,
     e: usize,
     tables: &[Vec<CodeLengths>],
     encoders: &[Vec<Encoder>],
     opts: &EncodeOptions,
 ) -> Vec<u8> {
-    let n = b.planes.len() / e;
-    let mut out = Vec::with_capacity(b.planes.len() + 16 * e);
+    let n = planes.len() / e;
+    let rows = b.rows;
+    let mut out = Vec::with_capacity(planes.len() + 16 * e);
     let budget = (n as f64 * opts.max_coded_fraction).floor() as usize;
     for k in 0..e {
-        let plane = b.planes.get(k * n..(k + 1) * n).unwrap_or(&[]);
-        if let (true, Some(&v)) = (is_constant(plane), plane.first()) {
+        let plane = planes.get(k * n..(k + 1) * n).unwrap_or(&[]);
+        if let (true, Some(&v)) = (b.constant.get(k).copied().unwrap_or(false), plane.first()) {
             out.extend_from_slice(&[MODE_CONST, v]);
             continue;
         }
@@ -314,8 +432,14 @@ fn encode_block(
                     Some((t, bits)) if (bits.div_ceil(8) as usize) < budget => {
                         encoders.get(k).and_then(|es| es.get(t)).map(|enc| {
                             let mut s = Vec::with_capacity(bits.div_ceil(8) as usize);
-                            enc.encode(plane, &mut s);
-                            (MODE_HUFFMAN + t as u8, s)
+                            if opts.row_index {
+                                let re = plane.len() / rows.max(1);
+                                encode_rows(enc, plane, re, &mut s);
+                                (MODE_HUFFMAN_ROWS + t as u8, s)
+                            } else {
+                                enc.encode(plane, &mut s);
+                                (MODE_HUFFMAN + t as u8, s)
+                            }
                         })
                     }
                     _ => None,

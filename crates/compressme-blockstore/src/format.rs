@@ -31,8 +31,11 @@ const TABLE_BYTES: usize = 128;
 pub(crate) const MODE_RAW: u8 = 0;
 pub(crate) const MODE_CONST: u8 = 1;
 pub(crate) const MODE_ZSTD: u8 = 2;
-/// `MODE_HUFFMAN + t` codes a plane with shared table `t` (0..16).
+/// `MODE_HUFFMAN + t` codes a plane with shared table `t` (0..16) as one bit stream.
 pub(crate) const MODE_HUFFMAN: u8 = 16;
+/// `MODE_HUFFMAN_ROWS + t` codes each row of the plane as its own byte-aligned stream with
+/// table `t`, after a table of u16 row lengths, so a lookup decodes only the rows it asks for.
+pub(crate) const MODE_HUFFMAN_ROWS: u8 = 32;
 
 pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {

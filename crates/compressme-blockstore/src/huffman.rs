@@ -123,14 +123,14 @@ impl CodeLengths {
     /// Bits to code a histogram with these lengths; `u64::MAX` when a symbol that occurs
     /// has no code.
     pub(crate) fn cost_bits(&self, counts: &[u64; 256]) -> u64 {
+        // branch-free so it vectorizes: clustering calls this for every block and table
         let mut bits = 0u64;
+        let mut uncodable = 0u64;
         for (&c, &l) in counts.iter().zip(self.0.iter()) {
-            if c > 0 && l == 0 {
-                return u64::MAX;
-            }
             bits += c * u64::from(l);
+            uncodable |= c * u64::from(l == 0);
         }
-        bits
+        if uncodable != 0 { u64::MAX } else { bits }
     }
 
     /// Serialized form: 128 bytes, two 4-bit lengths per byte, low nibble first.
@@ -247,9 +247,15 @@ impl Encoder {
     }
 }
 
-/// A decoding table: `2^MAX_LEN` entries of (symbol, length).
+/// Decoding tables indexed by the next `MAX_LEN` bits of the stream: `single` gives one
+/// (symbol, length); `multi` gives as many whole codes (up to 3) as fit in those bits, so
+/// a low-entropy plane (an exponent plane averages under 3 bits a symbol) decodes about
+/// three symbols per lookup.
 pub(crate) struct Decoder {
-    table: Box<[u16; TABLE_SIZE]>,
+    /// `symbol | length << 8`; length 0 marks bits that no code starts with.
+    single: Box<[u16; TABLE_SIZE]>,
+    /// `symbols (3 bytes) | count << 24 | total length << 26`; 0 marks an empty slot.
+    multi: Box<[u32; TABLE_SIZE]>,
 }
 
 impl std::fmt::Debug for Decoder {
@@ -258,41 +264,68 @@ impl std::fmt::Debug for Decoder {
     }
 }
 
+/// Symbols a `multi` entry emits; at most this many bytes are written per lookup.
+const MULTI: usize = 3;
+
 impl Decoder {
     pub(crate) fn new(lengths: &CodeLengths) -> Self {
         let codes = lengths.reversed_codes();
-        let mut table = Box::new([0u16; TABLE_SIZE]);
+        let mut single = Box::new([0u16; TABLE_SIZE]);
         for s in (0..256usize).filter(|&s| lengths.0.get(s).is_some_and(|&l| l > 0)) {
             let l = lengths.0.get(s).copied().unwrap_or(MAX_LEN);
             let c = codes.get(s).copied().unwrap_or(0) as usize;
             let entry = (s as u16) | (u16::from(l) << 8);
             let mut i = c;
             while i < TABLE_SIZE {
-                if let Some(e) = table.get_mut(i) {
+                if let Some(e) = single.get_mut(i) {
                     *e = entry;
                 }
                 i += 1 << l;
             }
         }
-        Self { table }
+        let mut multi = Box::new([0u32; TABLE_SIZE]);
+        for (i, m) in multi.iter_mut().enumerate() {
+            let (mut x, mut left, mut syms, mut count, mut total) =
+                (i, u32::from(MAX_LEN), 0u32, 0u32, 0u32);
+            while (count as usize) < MULTI {
+                let e = single.get(x).copied().unwrap_or(0);
+                let l = u32::from(e >> 8);
+                // a code is known only if all its bits are among the bits looked at
+                if l == 0 || l > left {
+                    break;
+                }
+                syms |= u32::from(e & 0xff) << (8 * count);
+                count += 1;
+                total += l;
+                x >>= l;
+                left -= l;
+            }
+            *m = if count == 0 {
+                0
+            } else {
+                syms | count << 24 | total << 26
+            };
+        }
+        Self { single, multi }
     }
 
     /// Decodes the first `out.len()` symbols of `stream`; with `exact`, they must be all of
     /// it (no whole byte left over).
     ///
     /// # Errors
-    /// [`Error::Malformed`] when the stream ends before the symbols do, or (with `exact`)
-    /// has bytes left.
+    /// [`Error::Malformed`] when the stream ends before the symbols do, holds bits no code
+    /// starts with, or (with `exact`) has bytes left.
     pub(crate) fn decode(&self, stream: &[u8], out: &mut [u8], exact: bool) -> Result<()> {
         let mut pos = 0usize; // next byte of `stream` to load
         let mut acc: u64 = 0;
         let mut bits: u32 = 0; // valid bits in `acc`
         let mut consumed: u64 = 0; // bits used
         let mask = (TABLE_SIZE - 1) as u64;
-        let mut empty_slot = false; // an entry of length 0: bits that no code starts with
-        let mut chunks = out.chunks_exact_mut(4);
-        for quad in &mut chunks {
-            // refill to at least 48 bits: 4 symbols of at most 12 bits
+        let empty = || Error::Malformed("coded plane holds bits that no code starts with".into());
+        let n = out.len();
+        let mut p = 0usize;
+        // fast loop: one refill (>= 56 bits), four lookups of at most 12 bits and 3 symbols
+        while p + 4 * MULTI <= n {
             if let Some(word) = stream.get(pos..pos + 8) {
                 let mut w = [0u8; 8];
                 w.copy_from_slice(word);
@@ -301,41 +334,42 @@ impl Decoder {
                 bits |= 56;
             } else {
                 while bits <= 56 {
-                    let b = stream.get(pos).copied().unwrap_or(0);
-                    acc |= u64::from(b) << bits;
+                    acc |= u64::from(stream.get(pos).copied().unwrap_or(0)) << bits;
                     pos += 1;
                     bits += 8;
                 }
             }
-            for o in quad.iter_mut() {
-                let e = self.table.get((acc & mask) as usize).copied().unwrap_or(0);
-                let l = u32::from(e >> 8);
-                empty_slot |= l == 0;
-                *o = e as u8;
+            for _ in 0..4 {
+                let e = self.multi.get((acc & mask) as usize).copied().unwrap_or(0);
+                if e == 0 {
+                    return Err(empty());
+                }
+                if let Some(dst) = out.get_mut(p..p + MULTI) {
+                    dst.copy_from_slice(&e.to_le_bytes()[..MULTI]);
+                }
+                let l = e >> 26;
+                p += ((e >> 24) & 3) as usize;
                 acc >>= l;
                 bits -= l;
                 consumed += u64::from(l);
             }
         }
-        for o in chunks.into_remainder() {
+        // tail: one symbol at a time
+        for o in out.iter_mut().skip(p) {
             while bits <= 56 {
-                let b = stream.get(pos).copied().unwrap_or(0);
-                acc |= u64::from(b) << bits;
+                acc |= u64::from(stream.get(pos).copied().unwrap_or(0)) << bits;
                 pos += 1;
                 bits += 8;
             }
-            let e = self.table.get((acc & mask) as usize).copied().unwrap_or(0);
+            let e = self.single.get((acc & mask) as usize).copied().unwrap_or(0);
             let l = u32::from(e >> 8);
-            empty_slot |= l == 0;
+            if l == 0 {
+                return Err(empty());
+            }
             *o = e as u8;
             acc >>= l;
             bits -= l;
             consumed += u64::from(l);
-        }
-        if empty_slot {
-            return Err(Error::Malformed(
-                "coded plane holds bits that no code starts with".into(),
-            ));
         }
         let available = stream.len() as u64 * 8;
         if consumed > available {

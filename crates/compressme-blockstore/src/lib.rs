@@ -153,6 +153,10 @@ pub struct EncodeOptions {
     pub max_coded_fraction: f64,
     /// Encode blocks on all cores (default true).
     pub parallel: bool,
+    /// Huffman-coded planes get a per-row index (u16 lengths, rows byte-aligned), so a
+    /// lookup decodes only the rows it asks for: faster random access for a few tenths of
+    /// a percent more bytes (default false; see docs/BENCHMARKS.md).
+    pub row_index: bool,
 }
 
 impl EncodeOptions {
@@ -165,6 +169,7 @@ impl EncodeOptions {
             coder: Coder::default(),
             max_coded_fraction: 0.98,
             parallel: true,
+            row_index: false,
         }
     }
 
@@ -172,6 +177,13 @@ impl EncodeOptions {
     #[must_use]
     pub fn block_rows(mut self, block_rows: usize) -> Self {
         self.block_rows = block_rows;
+        self
+    }
+
+    /// Turns the per-row index of Huffman-coded planes on or off.
+    #[must_use]
+    pub fn row_index(mut self, on: bool) -> Self {
+        self.row_index = on;
         self
     }
 

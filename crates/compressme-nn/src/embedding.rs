@@ -13,6 +13,10 @@ pub struct PackOptions {
     pub block_rows: usize,
     /// Plane coder (default: shared Huffman tables).
     pub coder: Coder,
+    /// Index Huffman-coded planes by row, so a lookup decodes only the rows it asks for
+    /// (default true: a lookup layer is for random access; it costs a few tenths of a
+    /// percent of the dense bytes at 16-row blocks, see docs/BENCHMARKS.md).
+    pub row_index: bool,
 }
 
 impl Default for PackOptions {
@@ -20,6 +24,7 @@ impl Default for PackOptions {
         Self {
             block_rows: 16,
             coder: Coder::default(),
+            row_index: true,
         }
     }
 }
@@ -31,6 +36,7 @@ impl PackOptions {
         Self {
             block_rows,
             coder: Coder::Zstd { level },
+            row_index: false,
         }
     }
 }
@@ -168,7 +174,8 @@ impl PackedFrozenEmbedding {
         let row_bytes = dim * weight.dtype().size_in_bytes();
         let enc = EncodeOptions::new(kind)
             .block_rows(opts.block_rows)
-            .coder(opts.coder);
+            .coder(opts.coder)
+            .row_index(opts.row_index);
         let store = BlockStore::encode(&bytes, rows as u64, row_bytes, &enc)?;
         Ok(Self {
             store,

@@ -15,10 +15,11 @@ fn kind() -> impl Strategy<Value = ValueKind> {
     ]
 }
 
-fn coder() -> impl Strategy<Value = Coder> {
+fn coder() -> impl Strategy<Value = (Coder, bool)> {
     prop_oneof![
-        (1u8..=4).prop_map(|max_tables| Coder::SharedHuffman { max_tables }),
-        (1i32..=3).prop_map(|level| Coder::Zstd { level }),
+        (1u8..=4, any::<bool>())
+            .prop_map(|(max_tables, row_index)| (Coder::SharedHuffman { max_tables }, row_index)),
+        (1i32..=3).prop_map(|level| (Coder::Zstd { level }, false)),
     ]
 }
 
@@ -57,7 +58,17 @@ fn ids(rows: usize) -> BoxedStrategy<Vec<u64>> {
     .boxed()
 }
 
-fn case() -> impl Strategy<Value = (ValueKind, Coder, usize, usize, usize, Vec<u8>, Vec<u64>)> {
+fn case() -> impl Strategy<
+    Value = (
+        ValueKind,
+        (Coder, bool),
+        usize,
+        usize,
+        usize,
+        Vec<u8>,
+        Vec<u64>,
+    ),
+> {
     (kind(), coder(), shape()).prop_flat_map(|(kind, coder, (block_rows, rows, cols))| {
         let row_bytes = cols * kind.element_size().bytes();
         (
@@ -77,7 +88,9 @@ proptest! {
 
     #[test]
     fn roundtrip((kind, coder, block_rows, rows, row_bytes, data, ids) in case()) {
-        let s = store(&data, rows as u64, row_bytes, kind, block_rows, coder);
+        let (coder, row_index) = coder;
+        let opts = EncodeOptions::new(kind).block_rows(block_rows).coder(coder).row_index(row_index);
+        let s = BlockStore::encode(&data, rows as u64, row_bytes, &opts).unwrap();
         prop_assert_eq!(s.decode_all().unwrap(), data.clone());
         let mut out = vec![0u8; ids.len() * row_bytes];
         s.decode_rows(&ids, &mut out).unwrap();
@@ -92,8 +105,10 @@ proptest! {
 
     #[test]
     fn deterministic((kind, coder, block_rows, rows, row_bytes, data, _ids) in case()) {
+        let (coder, row_index) = coder;
         let a = store(&data, rows as u64, row_bytes, kind, block_rows, coder).to_bytes();
-        let mut opts = EncodeOptions::new(kind).block_rows(block_rows).coder(coder);
+        let mut opts = EncodeOptions::new(kind).block_rows(block_rows).coder(coder).row_index(row_index);
+        let a = if row_index { BlockStore::encode(&data, rows as u64, row_bytes, &opts).unwrap().to_bytes() } else { a };
         opts.parallel = false;
         let b = BlockStore::encode(&data, rows as u64, row_bytes, &opts).unwrap().to_bytes();
         prop_assert_eq!(a, b);
