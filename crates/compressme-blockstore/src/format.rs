@@ -20,6 +20,8 @@ pub(crate) const VERSION: u16 = 1;
 const SUPPORTED: &str = "1";
 /// Fixed part of the header.
 pub(crate) const FIXED_HEADER: usize = 32;
+/// The SHA-256 over everything before the payload.
+const INDEX_DIGEST: u64 = 32;
 /// Largest raw block (rows x row bytes) accepted: 256 MiB.
 pub(crate) const MAX_BLOCK_BYTES: usize = 1 << 28;
 /// Most shared tables per plane.
@@ -64,7 +66,7 @@ pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {
 pub(crate) fn stored_bytes(s: &BlockStore) -> StoredBytes {
     let planes = s.tables.len() as u64;
     StoredBytes {
-        header: FIXED_HEADER as u64 + planes,
+        header: FIXED_HEADER as u64 + planes + INDEX_DIGEST,
         tables: s
             .tables
             .iter()
@@ -133,6 +135,9 @@ impl BlockStore {
         for d in &self.digests {
             out.extend_from_slice(d);
         }
+        // the index digest seals everything before the payload: header, tables, lengths, digests
+        let index: [u8; 32] = Sha256::digest(&out).into();
+        out.extend_from_slice(&index);
         out.extend_from_slice(&self.payload);
         out
     }
@@ -167,7 +172,7 @@ impl BlockStore {
         let e = kind.element_size().bytes();
         let row_bytes = usize::try_from(row_bytes)
             .ok()
-            .filter(|rb| rb % e == 0)
+            .filter(|rb| rb.is_multiple_of(e))
             .ok_or_else(|| {
                 Error::Malformed(format!(
                     "row of {row_bytes} bytes is not a whole number of {e}-byte elements"
@@ -209,7 +214,7 @@ impl BlockStore {
         }
         let nb = num_blocks(rows, block_rows);
         // cap before allocating: the index alone needs 36 bytes per block
-        if nb.checked_mul(36).is_none_or(|need| need > r.left()) {
+        if nb.checked_mul(36).is_none_or(|need| need + 32 > r.left()) {
             return Err(Error::Malformed(format!(
                 "{nb} blocks need an index of {} bytes, {} left",
                 nb.saturating_mul(36),
@@ -243,6 +248,15 @@ impl BlockStore {
                 a
             })
             .collect();
+        let sealed = bytes.get(..r.pos).unwrap_or(&[]);
+        let actual: [u8; 32] = Sha256::digest(sealed).into();
+        let expected = r.array::<32>("index digest")?;
+        if actual != expected {
+            return Err(Error::IndexChecksumMismatch {
+                expected: hex(&expected),
+                actual: hex(&actual),
+            });
+        }
         if end != r.left() {
             return Err(Error::Malformed(format!(
                 "block lengths add up to {end} bytes but the payload has {}",

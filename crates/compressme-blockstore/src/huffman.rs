@@ -461,7 +461,7 @@ mod tests {
             *c = 1 + (1u64 << (i % 23));
         }
         let lens = CodeLengths::from_counts(&counts);
-        assert!(lens.0.iter().any(|&l| l == MAX_LEN));
+        assert!(lens.0.contains(&MAX_LEN));
         let codes = lens.reversed_codes();
         let used: Vec<(u16, u8)> = (0..256)
             .filter(|&s| lens.0[s] > 0)

@@ -190,7 +190,9 @@ impl PackedFrozenEmbedding {
     /// # Errors
     /// [`Error::NotEligible`] when `dtype` does not match the store's value kind or row width.
     pub fn from_store(store: BlockStore, dtype: DType, device: &Device) -> Result<Self> {
-        if value_kind(dtype)? != store.kind() || store.row_bytes() % dtype.size_in_bytes() != 0 {
+        if value_kind(dtype)? != store.kind()
+            || !store.row_bytes().is_multiple_of(dtype.size_in_bytes())
+        {
             return Err(Error::NotEligible(format!(
                 "store of {:?} cannot serve dtype {dtype:?}",
                 store.kind()

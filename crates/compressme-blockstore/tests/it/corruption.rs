@@ -18,7 +18,8 @@ fn regions(bytes: &[u8], planes: usize, blocks: usize) -> (usize, usize) {
         pos += 1 + 128 * count;
     }
     let digests = pos + 4 * blocks;
-    (digests, digests + 32 * blocks)
+    // the index digest (32 bytes) sits between the block digests and the payload
+    (digests, digests + 32 * blocks + 32)
 }
 
 /// Rewrites every digest so the (tampered) payload passes its checksum: what a hostile
@@ -36,6 +37,34 @@ fn reseal(bytes: &mut [u8], planes: usize, blocks: usize) {
         bytes[digests + 32 * b..digests + 32 * (b + 1)].copy_from_slice(&d);
         start += len;
     }
+    let index: [u8; 32] = Sha256::digest(&bytes[..payload - 32]).into();
+    bytes[payload - 32..payload].copy_from_slice(&index);
+}
+
+#[test]
+fn a_flipped_table_or_index_byte_is_caught() {
+    let (_, s) = sample();
+    let bytes = s.to_bytes();
+    let (digests, payload) = regions(&bytes, 4, s.num_blocks());
+    // a code table nibble, a block length, a block digest, the index digest itself
+    for at in [33, digests - 4, digests + 5, payload - 1] {
+        let mut bad = bytes.clone();
+        bad[at] ^= 0x10;
+        let err = BlockStore::from_bytes(&bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::IndexChecksumMismatch { .. } | Error::Malformed(_) | Error::BadBlock { .. }
+            ),
+            "byte {at}: {err}"
+        );
+    }
+    let mut bad = bytes.clone();
+    bad[digests + 5] ^= 0x10;
+    assert!(matches!(
+        BlockStore::from_bytes(&bad),
+        Err(Error::IndexChecksumMismatch { .. })
+    ));
 }
 
 #[test]
@@ -122,6 +151,7 @@ fn header_fields_are_checked() {
     );
     assert!(with(11, 1).to_string().contains("unknown flags"));
     // a row count claiming far more blocks than the bytes hold: refused before allocating
+    // (before the index digest is even looked at)
     let mut huge = bytes.clone();
     huge[16..24].copy_from_slice(&(u64::MAX / 64).to_le_bytes());
     assert!(BlockStore::from_bytes(&huge).is_err());

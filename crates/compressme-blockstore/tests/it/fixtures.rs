@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use compressme_blockstore::{BlockStore, Coder, Error, ValueKind};
+use compressme_blockstore::{BlockStore, Coder, EncodeOptions, Error, ValueKind};
 
 use crate::{store, weights_f32};
 
@@ -14,6 +14,10 @@ fn dir() -> PathBuf {
 fn cases() -> Vec<(&'static str, Vec<u8>, BlockStore)> {
     let f32s = weights_f32(37, 12, 11);
     let bf16: Vec<u8> = f32s.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
+    // small integers as f32: the two low mantissa bytes are zero, so those planes are constant
+    let ints: Vec<u8> = (0..37 * 12)
+        .flat_map(|i| ((i % 50) as f32).to_le_bytes())
+        .collect();
     vec![
         (
             "f32_huffman.cmbs",
@@ -29,6 +33,24 @@ fn cases() -> Vec<(&'static str, Vec<u8>, BlockStore)> {
             "f32_zstd.cmbs",
             f32s.clone(),
             store(&f32s, 37, 48, ValueKind::F32, 16, Coder::Zstd { level: 3 }),
+        ),
+        (
+            "f32_constant_planes.cmbs",
+            ints.clone(),
+            store(&ints, 37, 48, ValueKind::F32, 16, Coder::default()),
+        ),
+        (
+            "f32_huffman_rows.cmbs",
+            f32s.clone(),
+            BlockStore::encode(
+                &f32s,
+                37,
+                48,
+                &EncodeOptions::new(ValueKind::F32)
+                    .block_rows(8)
+                    .row_index(true),
+            )
+            .unwrap(),
         ),
     ]
 }

@@ -58,17 +58,18 @@ fn ids(rows: usize) -> BoxedStrategy<Vec<u64>> {
     .boxed()
 }
 
-fn case() -> impl Strategy<
-    Value = (
-        ValueKind,
-        (Coder, bool),
-        usize,
-        usize,
-        usize,
-        Vec<u8>,
-        Vec<u64>,
-    ),
-> {
+/// kind, (coder, row index), block rows, rows, row bytes, table bytes, ids
+type Case = (
+    ValueKind,
+    (Coder, bool),
+    usize,
+    usize,
+    usize,
+    Vec<u8>,
+    Vec<u64>,
+);
+
+fn case() -> impl Strategy<Value = Case> {
     (kind(), coder(), shape()).prop_flat_map(|(kind, coder, (block_rows, rows, cols))| {
         let row_bytes = cols * kind.element_size().bytes();
         (
