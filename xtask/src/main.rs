@@ -237,5 +237,10 @@ fn bench_lossless() -> Result<(), String> {
     run(Command::new(py)
         .arg(root().join("benches/peers/lossless_peers.py"))
         .arg(&model)
+        .arg(out.join("lossless-peers.json")))?;
+    // the markdown tables of docs/BENCHMARKS.md, from the two reports of this run
+    run(Command::new(python())
+        .arg(root().join("benches/peers/lossless_tables.py"))
+        .arg(out.join("lossless-ours.json"))
         .arg(out.join("lossless-peers.json")))
 }

@@ -240,7 +240,13 @@ impl<'s> Decoder<'s> {
                     let (index, segs) = body
                         .split_at_checked(index_len)
                         .ok_or_else(|| bad("row index runs past the plane"))?;
+                    // the wanted rows' segments, decoded two at a time
+                    let plane = self
+                        .scratch
+                        .get_mut(k * n..(k + 1) * n)
+                        .ok_or_else(|| bad("scratch"))?;
                     let mut start = 0usize;
+                    let mut pending: Option<(usize, &[u8])> = None;
                     for r in 0..need.min(rows) {
                         let end = match index.get(2 * r..2 * r + 2) {
                             Some(&[lo, hi]) => start + usize::from(u16::from_le_bytes([lo, hi])),
@@ -250,13 +256,27 @@ impl<'s> Decoder<'s> {
                             .get(start..end)
                             .ok_or_else(|| bad("row segment runs past the plane"))?;
                         start = end;
-                        if self.want.get(r).copied().unwrap_or(false) {
-                            let dst = self
-                                .scratch
-                                .get_mut(k * n + r * re..k * n + (r + 1) * re)
-                                .ok_or_else(|| bad("scratch"))?;
-                            dec.decode(seg, dst, true).map_err(|e| e.in_block(block))?;
+                        if !self.want.get(r).copied().unwrap_or(false) {
+                            continue;
                         }
+                        match pending.take() {
+                            None => pending = Some((r, seg)),
+                            Some((r0, seg0)) => {
+                                let (left, right) = plane.split_at_mut(r * re);
+                                let a = left
+                                    .get_mut(r0 * re..(r0 + 1) * re)
+                                    .ok_or_else(|| bad("scratch"))?;
+                                let b = right.get_mut(..re).ok_or_else(|| bad("scratch"))?;
+                                dec.decode_pair((seg0, a, true), (seg, b, true))
+                                    .map_err(|e| e.in_block(block))?;
+                            }
+                        }
+                    }
+                    if let Some((r0, seg0)) = pending {
+                        let a = plane
+                            .get_mut(r0 * re..(r0 + 1) * re)
+                            .ok_or_else(|| bad("scratch"))?;
+                        dec.decode(seg0, a, true).map_err(|e| e.in_block(block))?;
                     }
                     *src = Src::Scratch(k * n);
                 }
@@ -272,12 +292,37 @@ impl<'s> Decoder<'s> {
                             "plane {k} names code table {t}, which does not exist"
                         ))
                     })?;
-                    let dst = self
+                    // two streams: rows [0, h) and [h, rows); each decoded only as far as
+                    // the last wanted row in it, both at once when both are needed
+                    let mut sp = 0usize;
+                    let len_a = get_varint(stream, &mut sp).map_err(|e| e.in_block(block))?;
+                    let a = stream
+                        .get(sp..sp + len_a)
+                        .ok_or_else(|| bad("first half runs past the plane"))?;
+                    let b = stream.get(sp + len_a..).unwrap_or(&[]);
+                    let h = rows.div_ceil(2);
+                    let last = |range: std::ops::Range<usize>| {
+                        range
+                            .rev()
+                            .find(|&r| self.want.get(r).copied().unwrap_or(false))
+                    };
+                    let need_a = last(0..h.min(need)).map_or(0, |r| r + 1);
+                    let need_b = last(h..need.min(rows)).map_or(0, |r| r + 1 - h);
+                    let plane = self
                         .scratch
-                        .get_mut(k * n..k * n + need * re)
+                        .get_mut(k * n..(k + 1) * n)
                         .ok_or_else(|| bad("scratch"))?;
-                    dec.decode(stream, dst, need == rows)
-                        .map_err(|e| e.in_block(block))?;
+                    let (pa, pb) = plane.split_at_mut((h * re).min(n));
+                    let oa = pa.get_mut(..need_a * re).ok_or_else(|| bad("scratch"))?;
+                    let ob = pb.get_mut(..need_b * re).ok_or_else(|| bad("scratch"))?;
+                    let (full_a, full_b) = (need_a == h, need_b == rows - h);
+                    let done = match (need_a > 0, need_b > 0) {
+                        (true, true) => dec.decode_pair((a, oa, full_a), (b, ob, full_b)),
+                        (true, false) => dec.decode(a, oa, full_a),
+                        (false, true) => dec.decode(b, ob, full_b),
+                        (false, false) => Ok(()),
+                    };
+                    done.map_err(|e| e.in_block(block))?;
                     *src = Src::Scratch(k * n);
                 }
                 other => return Err(bad(&format!("unknown plane mode {other}"))),

@@ -59,6 +59,18 @@ fn encode_rows(enc: &Encoder, plane: &[u8], re: usize, out: &mut Vec<u8>) {
 /// What the first pass learns of a block: per plane, its histogram and whether it is
 /// constant. The planes themselves are made again when the block is encoded, so the
 /// whole tensor is never held twice.
+/// Compact body: the first `ceil(rows / 2)` rows and the rest as two bit streams, the
+/// first one's byte length (LEB128) in front, so a decoder can run both at once.
+fn encode_halves(enc: &Encoder, plane: &[u8], rows: usize, out: &mut Vec<u8>) {
+    let re = plane.len() / rows.max(1);
+    let (a, b) = plane.split_at((rows.div_ceil(2) * re).min(plane.len()));
+    let mut first = Vec::with_capacity(a.len());
+    enc.encode(a, &mut first);
+    put_varint(out, first.len() as u64);
+    out.extend_from_slice(&first);
+    enc.encode(b, out);
+}
+
 struct BlockStats {
     rows: usize,
     hists: Vec<Histogram>,
@@ -437,7 +449,7 @@ fn encode_block(
                                 encode_rows(enc, plane, re, &mut s);
                                 (MODE_HUFFMAN_ROWS + t as u8, s)
                             } else {
-                                enc.encode(plane, &mut s);
+                                encode_halves(enc, plane, rows, &mut s);
                                 (MODE_HUFFMAN + t as u8, s)
                             }
                         })

@@ -254,7 +254,9 @@ impl Encoder {
 pub(crate) struct Decoder {
     /// `symbol | length << 8`; length 0 marks bits that no code starts with.
     single: Box<[u16; TABLE_SIZE]>,
-    /// `symbols (3 bytes) | count << 24 | total length << 26`; 0 marks an empty slot.
+    /// `symbols (3 bytes) | count << 24 | total length << 26`; an empty slot is
+    /// `EMPTY`: it consumes `MAX_LEN` bits and one symbol, so the fast loop always makes
+    /// progress, and its flag bit is checked once at the end.
     multi: Box<[u32; TABLE_SIZE]>,
 }
 
@@ -266,6 +268,9 @@ impl std::fmt::Debug for Decoder {
 
 /// Symbols a `multi` entry emits; at most this many bytes are written per lookup.
 const MULTI: usize = 3;
+/// Flag bit of an empty `multi` slot (count 1, length `MAX_LEN`).
+const EMPTY_FLAG: u32 = 1 << 30;
+const EMPTY: u32 = EMPTY_FLAG | 1 << 24 | (MAX_LEN as u32) << 26;
 
 impl Decoder {
     pub(crate) fn new(lengths: &CodeLengths) -> Self {
@@ -316,62 +321,108 @@ impl Decoder {
     /// [`Error::Malformed`] when the stream ends before the symbols do, holds bits no code
     /// starts with, or (with `exact`) has bytes left.
     pub(crate) fn decode(&self, stream: &[u8], out: &mut [u8], exact: bool) -> Result<()> {
-        let mut pos = 0usize; // next byte of `stream` to load
-        let mut acc: u64 = 0;
-        let mut bits: u32 = 0; // valid bits in `acc`
-        let mut consumed: u64 = 0; // bits used
-        let mask = (TABLE_SIZE - 1) as u64;
-        let empty = || Error::Malformed("coded plane holds bits that no code starts with".into());
-        let n = out.len();
-        let mut p = 0usize;
-        // fast loop: one refill (>= 56 bits), four lookups of at most 12 bits and 3 symbols
-        while p + 4 * MULTI <= n {
-            if let Some(word) = stream.get(pos..pos + 8) {
-                let mut w = [0u8; 8];
-                w.copy_from_slice(word);
-                acc |= u64::from_le_bytes(w) << bits;
-                pos += ((63 - bits) >> 3) as usize;
-                bits |= 56;
-            } else {
-                while bits <= 56 {
-                    acc |= u64::from(stream.get(pos).copied().unwrap_or(0)) << bits;
-                    pos += 1;
-                    bits += 8;
-                }
+        let mut st = Bits::new(stream);
+        let mut flags = 0u32;
+        let p = self.fast(&mut st, out, 0, &mut flags);
+        self.finish(&mut st, out, p, flags, exact)
+    }
+
+    /// Decodes two independent streams at once: two dependency chains keep the CPU busy
+    /// where one would wait on each table lookup. Same contract as [`Decoder::decode`] for
+    /// each pair of stream and output.
+    pub(crate) fn decode_pair(
+        &self,
+        a: (&[u8], &mut [u8], bool),
+        b: (&[u8], &mut [u8], bool),
+    ) -> Result<()> {
+        let (stream_a, out_a, exact_a) = a;
+        let (stream_b, out_b, exact_b) = b;
+        let (mut sa, mut sb) = (Bits::new(stream_a), Bits::new(stream_b));
+        let (mut pa, mut pb) = (0usize, 0usize);
+        let (mut fa, mut fb) = (0u32, 0u32);
+        while let (Some(wa), Some(wb)) = (
+            out_a.get_mut(pa..pa + WINDOW),
+            out_b.get_mut(pb..pb + WINDOW),
+        ) {
+            sa.refill();
+            sb.refill();
+            let (mut qa, mut qb) = (0usize, 0usize);
+            for _ in 0..LOOKUPS {
+                self.step(&mut sa, wa, &mut qa, &mut fa);
+                self.step(&mut sb, wb, &mut qb, &mut fb);
             }
-            for _ in 0..4 {
-                let e = self.multi.get((acc & mask) as usize).copied().unwrap_or(0);
-                if e == 0 {
-                    return Err(empty());
-                }
-                if let Some(dst) = out.get_mut(p..p + MULTI) {
-                    dst.copy_from_slice(&e.to_le_bytes()[..MULTI]);
-                }
-                let l = e >> 26;
-                p += ((e >> 24) & 3) as usize;
-                acc >>= l;
-                bits -= l;
-                consumed += u64::from(l);
-            }
+            pa += qa;
+            pb += qb;
         }
-        // tail: one symbol at a time
-        for o in out.iter_mut().skip(p) {
-            while bits <= 56 {
-                acc |= u64::from(stream.get(pos).copied().unwrap_or(0)) << bits;
-                pos += 1;
-                bits += 8;
+        let pa = self.fast(&mut sa, out_a, pa, &mut fa);
+        let pb = self.fast(&mut sb, out_b, pb, &mut fb);
+        self.finish(&mut sa, out_a, pa, fa, exact_a)?;
+        self.finish(&mut sb, out_b, pb, fb, exact_b)
+    }
+
+    /// One `multi` lookup: up to `MULTI` symbols into `window[*q..]`.
+    #[inline(always)]
+    fn step(&self, st: &mut Bits<'_>, window: &mut [u8], q: &mut usize, flags: &mut u32) {
+        let e = self
+            .multi
+            .get((st.acc & MASK) as usize)
+            .copied()
+            .unwrap_or(EMPTY);
+        *flags |= e;
+        if let Some(dst) = window.get_mut(*q..*q + MULTI) {
+            dst.copy_from_slice(&e.to_le_bytes()[..MULTI]);
+        }
+        let l = (e >> 26) & 0xf;
+        *q += ((e >> 24) & 3) as usize;
+        st.acc >>= l;
+        st.bits -= l;
+    }
+
+    /// The fast loop from `out[p..]`: one refill (at least 56 bits) then `LOOKUPS` lookups
+    /// of at most 12 bits, written through a `WINDOW`-byte window (one bounds check per
+    /// refill). Returns how far it got; the rest is for `finish`.
+    fn fast(&self, st: &mut Bits<'_>, out: &mut [u8], mut p: usize, flags: &mut u32) -> usize {
+        while let Some(window) = out.get_mut(p..p + WINDOW) {
+            st.refill();
+            let mut q = 0usize;
+            for _ in 0..LOOKUPS {
+                self.step(st, window, &mut q, flags);
             }
-            let e = self.single.get((acc & mask) as usize).copied().unwrap_or(0);
+            p += q;
+        }
+        p
+    }
+
+    /// The last symbols one at a time, then the checks.
+    fn finish(
+        &self,
+        st: &mut Bits<'_>,
+        out: &mut [u8],
+        p: usize,
+        flags: u32,
+        exact: bool,
+    ) -> Result<()> {
+        let empty = || Error::Malformed("coded plane holds bits that no code starts with".into());
+        if flags & EMPTY_FLAG != 0 {
+            return Err(empty());
+        }
+        for o in out.iter_mut().skip(p) {
+            st.refill();
+            let e = self
+                .single
+                .get((st.acc & MASK) as usize)
+                .copied()
+                .unwrap_or(0);
             let l = u32::from(e >> 8);
             if l == 0 {
                 return Err(empty());
             }
             *o = e as u8;
-            acc >>= l;
-            bits -= l;
-            consumed += u64::from(l);
+            st.acc >>= l;
+            st.bits -= l;
         }
-        let available = stream.len() as u64 * 8;
+        let consumed = st.pos as u64 * 8 - u64::from(st.bits);
+        let available = st.stream.len() as u64 * 8;
         if consumed > available {
             return Err(Error::Malformed(
                 "coded plane is shorter than its symbols".into(),
@@ -381,6 +432,52 @@ impl Decoder {
             return Err(Error::Malformed("coded plane has trailing bytes".into()));
         }
         Ok(())
+    }
+}
+
+const MASK: u64 = (TABLE_SIZE - 1) as u64;
+/// Lookups per refill: 4 x 12 bits fit in the 56 a refill guarantees.
+const LOOKUPS: usize = 4;
+/// Output bytes one refill can produce.
+const WINDOW: usize = LOOKUPS * MULTI;
+
+/// An LSB-first bit reader; past the end of the stream it reads zeros, and `finish` checks
+/// that no bit past the end was consumed.
+struct Bits<'a> {
+    stream: &'a [u8],
+    /// Bytes loaded into `acc` so far (including zeros past the end).
+    pos: usize,
+    acc: u64,
+    /// Valid, unconsumed bits in `acc`.
+    bits: u32,
+}
+
+impl<'a> Bits<'a> {
+    fn new(stream: &'a [u8]) -> Self {
+        Self {
+            stream,
+            pos: 0,
+            acc: 0,
+            bits: 0,
+        }
+    }
+
+    /// Tops `acc` up to at least 56 bits.
+    #[inline(always)]
+    fn refill(&mut self) {
+        if let Some(word) = self.stream.get(self.pos..self.pos + 8) {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(word);
+            self.acc |= u64::from_le_bytes(w) << self.bits;
+            self.pos += ((63 - self.bits) >> 3) as usize;
+            self.bits |= 56;
+        } else {
+            while self.bits <= 56 {
+                self.acc |= u64::from(self.stream.get(self.pos).copied().unwrap_or(0)) << self.bits;
+                self.pos += 1;
+                self.bits += 8;
+            }
+        }
     }
 }
 
