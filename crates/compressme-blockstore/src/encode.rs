@@ -169,13 +169,19 @@ fn cluster_tables(hists: &[&Histogram], k: usize) -> Vec<CodeLengths> {
     if hists.is_empty() {
         return Vec::new();
     }
-    let total_cost = |tables: &[CodeLengths]| -> u64 {
-        hists.iter().fold(128 * tables.len() as u64, |acc, h| {
-            acc.saturating_add(best_table(tables, h).1.div_ceil(8))
+    // every block's best table and its cost: one pass over blocks x tables, reused for the
+    // total, the next seed and the next grouping
+    let assign = |tables: &[CodeLengths]| -> Vec<(usize, u64)> {
+        hists.iter().map(|h| best_table(tables, h)).collect()
+    };
+    let total = |tables: &[CodeLengths], a: &[(usize, u64)]| -> u64 {
+        a.iter().fold(128 * tables.len() as u64, |acc, &(_, c)| {
+            acc.saturating_add(c.div_ceil(8))
         })
     };
     let mut tables = vec![CodeLengths::from_counts(&sum_hists(hists.iter().copied()))];
-    let mut best = (total_cost(&tables), tables.clone());
+    let mut a = assign(&tables);
+    let mut best = (total(&tables, &a), tables.clone());
     let entropies: Vec<f64> = if k > 1 {
         hists.iter().map(|h| entropy_bits(h)).collect()
     } else {
@@ -184,32 +190,38 @@ fn cluster_tables(hists: &[&Histogram], k: usize) -> Vec<CodeLengths> {
     // one split per extra table allowed; a split whose seed wins no block just shrinks back
     for _ in 1..k.min(hists.len()) {
         // seed a new table with the block the current tables serve worst
-        let seed = hists
+        let seed = a
             .iter()
             .zip(&entropies)
-            .map(|(h, e)| best_table(&tables, h).1.min(u64::MAX >> 12) as f64 - e)
+            .map(|(&(_, c), e)| c.min(u64::MAX >> 12) as f64 - e)
             .enumerate()
-            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+            .max_by(|x, y| x.1.total_cmp(&y.1).then(y.0.cmp(&x.0)))
             .map_or(0, |(i, _)| i);
         if let Some(h) = hists.get(seed) {
             tables.push(CodeLengths::from_counts(h));
         }
-        // a few Lloyd iterations: assign, rebuild
-        for _ in 0..4 {
-            let mut groups: Vec<Vec<&Histogram>> = vec![Vec::new(); tables.len()];
-            for h in hists {
-                if let Some(g) = groups.get_mut(best_table(&tables, h).0) {
-                    g.push(h);
+        // a few Lloyd iterations: assign, rebuild from the groups, drop empty ones
+        for _ in 0..3 {
+            a = assign(&tables);
+            let mut sums = vec![[0u64; 256]; tables.len()];
+            let mut used = vec![false; tables.len()];
+            for (h, &(t, _)) in hists.iter().zip(&a) {
+                if let (Some(sum), Some(u)) = (sums.get_mut(t), used.get_mut(t)) {
+                    for (x, &c) in sum.iter_mut().zip(h.iter()) {
+                        *x += c;
+                    }
+                    *u = true;
                 }
             }
-            tables = groups
+            tables = sums
                 .iter()
-                .zip(&tables)
-                .filter(|(g, _)| !g.is_empty())
-                .map(|(g, _)| CodeLengths::from_counts(&sum_hists(g.iter().copied())))
+                .zip(&used)
+                .filter(|(_, u)| **u)
+                .map(|(sum, _)| CodeLengths::from_counts(sum))
                 .collect();
         }
-        let cost = total_cost(&tables);
+        a = assign(&tables);
+        let cost = total(&tables, &a);
         if cost < best.0 {
             best = (cost, tables.clone());
         }
