@@ -185,17 +185,26 @@ fn main() -> Result<(), String> {
         }
     }
 
-    // SHA-256 throughput, one thread
+    // hashing throughput: verify_all (SHA-256 of every block) on one thread and on all
+    // cores, best of 3; the sha2 crate picks the CPU's SHA extensions at run time
+    let store = BlockStore::encode(&f32s, rows, cols * 4, &EncodeOptions::new(ValueKind::F32))
+        .map_err(|e| e.to_string())?;
+    let stored = store.stored_bytes().payload as usize;
+    let best_verify = || -> Result<f64, String> {
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            store.verify_all().map_err(|e| e.to_string())?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(mbps(stored, best))
+    };
+    let sha = one_thread(best_verify)?;
+    let verify_all = best_verify()?;
     let t = Instant::now();
     let d: [u8; 32] = Sha256::digest(&f32s).into();
     std::hint::black_box(d);
-    let sha = mbps(f32s.len(), t.elapsed().as_secs_f64());
-    // verify_all on all cores, for context
-    let store = BlockStore::encode(&f32s, rows, cols * 4, &EncodeOptions::new(ValueKind::F32))
-        .map_err(|e| e.to_string())?;
-    let t = Instant::now();
-    store.verify_all().map_err(|e| e.to_string())?;
-    let verify_all = mbps(f32s.len(), t.elapsed().as_secs_f64());
+    let sha_one_buffer = mbps(f32s.len(), t.elapsed().as_secs_f64());
 
     // lookups: 32x128 random ids, and 32x128 ids drawn from 64 distinct rows (repeats)
     let table = Tensor::from_raw_buffer(&f32s, DType::F32, &[rows as usize, cols], &Device::Cpu)
@@ -239,7 +248,8 @@ fn main() -> Result<(), String> {
     }
     let report = json!({
         "table": TABLE, "rows": rows, "cols": cols, "ours": ours, "seed_recipe": seed,
-        "sha256_mb_s_1t": sha, "verify_all_mb_s_all_cores": verify_all, "lookups": lookups,
+        "sha256_mb_s_1t": sha, "verify_all_mb_s_all_cores": verify_all,
+        "sha256_one_47mb_buffer_mb_s": sha_one_buffer, "lookups": lookups,
     });
     std::fs::write(
         out,

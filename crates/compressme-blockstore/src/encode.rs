@@ -86,16 +86,55 @@ struct Scratch {
 
 /// Rotates and shuffles `block` into `scratch.planes` (`E` planes of `n` bytes each).
 fn make_planes(kind: ValueKind, block: &[u8], scratch: &mut Scratch) {
-    scratch.rotated.clear();
-    scratch.rotated.extend_from_slice(block);
-    rotate(kind, &mut scratch.rotated);
     scratch.planes.resize(block.len(), 0);
-    // lengths are equal by construction
-    let _ = compressme_shuffle::shuffle_into(
-        kind.element_size(),
-        &scratch.rotated,
-        &mut scratch.planes,
-    );
+    match (kind.rotates_sign(), kind.element_size().bytes()) {
+        // the common cases in one pass: rotate each element as it is scattered to the planes
+        (true, 4) => rotate_shuffle::<4>(block, &mut scratch.planes, |w| {
+            u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+                .rotate_left(1)
+                .to_le_bytes()
+        }),
+        (true, 2) => rotate_shuffle::<2>(block, &mut scratch.planes, |w| {
+            u16::from_le_bytes([w[0], w[1]])
+                .rotate_left(1)
+                .to_le_bytes()
+        }),
+        _ => {
+            scratch.rotated.clear();
+            scratch.rotated.extend_from_slice(block);
+            rotate(kind, &mut scratch.rotated);
+            // lengths are equal by construction
+            let _ = compressme_shuffle::shuffle_into(
+                kind.element_size(),
+                &scratch.rotated,
+                &mut scratch.planes,
+            );
+        }
+    }
+}
+
+/// Rotates each `N`-byte element with `rot` and writes byte `k` of element `i` to
+/// `planes[k * n + i]`: the sign rotation and the shuffle in one pass. Rows are whole
+/// elements, so there is no tail.
+fn rotate_shuffle<const N: usize>(
+    block: &[u8],
+    planes: &mut [u8],
+    rot: impl Fn(&[u8; N]) -> [u8; N],
+) {
+    let n = block.len() / N;
+    let mut outs: Vec<&mut [u8]> = planes.chunks_mut(n.max(1)).take(N).collect();
+    if outs.len() != N {
+        return; // an empty block
+    }
+    for (i, c) in block.chunks_exact(N).enumerate() {
+        let mut w = [0u8; N];
+        w.copy_from_slice(c);
+        for (out, byte) in outs.iter_mut().zip(rot(&w)) {
+            if let Some(o) = out.get_mut(i) {
+                *o = byte;
+            }
+        }
+    }
 }
 
 fn block_stats(
@@ -326,6 +365,8 @@ impl BlockStore {
                         .filter(|b| !b.constant.get(k).copied().unwrap_or(true))
                         .filter_map(|b| b.hists.get(k))
                         .collect();
+                    // every block takes part: sampling 512 or 1024 of MiniLM's 1908 blocks
+                    // sped clustering up but cost up to 0.13% of dense bytes on bf16
                     cluster_tables(&hs, usize::from(max_tables))
                 })
                 .collect(),
