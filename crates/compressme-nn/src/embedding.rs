@@ -240,16 +240,37 @@ impl PackedFrozenEmbedding {
     /// verification on decode is on, a block that fails its digest.
     pub fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
         let flat = ids_u64(ids)?;
-        let mut out = vec![0u8; flat.len() * self.store.row_bytes()];
-        self.store.decode_rows(&flat, &mut out)?;
         let mut shape = ids.dims().to_vec();
         shape.push(self.dim);
-        let t = Tensor::from_raw_buffer(&out, self.dtype, &shape, &Device::Cpu)?;
+        let t = match self.dtype {
+            DType::F32 => self.gather::<f32>(&flat, shape)?,
+            DType::F64 => self.gather::<f64>(&flat, shape)?,
+            DType::BF16 => self.gather::<half::bf16>(&flat, shape)?,
+            DType::F16 => self.gather::<half::f16>(&flat, shape)?,
+            other => {
+                return Err(Error::NotEligible(format!(
+                    "dtype {other:?} is not a float type"
+                )));
+            }
+        };
         Ok(if self.device.is_cpu() {
             t
         } else {
             t.to_device(&self.device)?
         })
+    }
+
+    /// Decodes rows straight into the vector that becomes the tensor's storage: one
+    /// allocation and no copy (a second buffer and a copy cost a quarter of a lookup).
+    fn gather<T: candle_core::WithDType + bytemuck::Pod>(
+        &self,
+        ids: &[u64],
+        shape: Vec<usize>,
+    ) -> Result<Tensor> {
+        let mut out = vec![T::zeroed(); ids.len() * self.dim];
+        self.store
+            .decode_rows(ids, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
     }
 
     /// A complete, independent copy of the table on the layer's device. Changing it leaves
