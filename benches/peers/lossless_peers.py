@@ -6,7 +6,8 @@ Run by `cargo xtask bench-lossless` (which makes a venv with the pinned peers):
 Measures, on all-MiniLM-L6-v2's word-embedding table (f32, and rounded to bf16 with
 round-to-nearest-even, the same rounding as the Rust report):
   - zstandard: plain zstd over the whole tensor (no shuffle), levels 3 and 19;
-  - blosc2: shuffle + zstd, split streams, 16-row blocks (our block size), clevel 5 and 9;
+  - blosc2: shuffle + zstd, split streams, 16-row blocks (our default), clevel 5 and 9; and
+    clevel 9 at 4-, 64- and 256-row blocks (our other sizes);
   - zipnn: whole tensor (its default 256 KiB chunks, no random access), and called once
     per 16-row block (what row-block granularity would cost it).
 Ratios are compressed bytes / dense bytes; speeds are MB/s of dense bytes, best of 3.
@@ -61,15 +62,15 @@ def zstd_plain(data, level):
             "compress_mb_s": mbps(len(data), tc), "decompress_mb_s": mbps(len(data), td), **exactness(back, data)}
 
 
-def blosc(data, typesize, row_bytes, clevel):
+def blosc(data, typesize, row_bytes, clevel, block_rows=BLOCK_ROWS):
     blosc2.set_nthreads(1)
-    blocksize = BLOCK_ROWS * row_bytes
+    blocksize = block_rows * row_bytes
     kw = dict(typesize=typesize, clevel=clevel, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE],
               splitmode=blosc2.SplitMode.ALWAYS_SPLIT, blocksize=blocksize)
     # one chunk holds at most 2 GiB; this table fits
     tc, comp = best_time(lambda: blosc2.compress2(data, **kw), reps=1 if clevel > 5 else 3)
     td, back = best_time(lambda: blosc2.decompress2(comp))
-    return {"peer": "blosc2 (shuffle + zstd, split streams)", "clevel": clevel, "block_rows": BLOCK_ROWS,
+    return {"peer": "blosc2 (shuffle + zstd, split streams)", "clevel": clevel, "block_rows": block_rows,
             "ratio": len(comp) / len(data), "compress_mb_s": mbps(len(data), tc),
             "decompress_mb_s": mbps(len(data), td), **exactness(back, data)}
 
@@ -110,6 +111,8 @@ def main():
             rs.append(zstd_plain(data, level))
         for clevel in (5, 9):
             rs.append(blosc(data, typesize, row_bytes, clevel))
+        for block_rows in (4, 64, 256):
+            rs.append(blosc(data, typesize, row_bytes, 9, block_rows))
         rs.append(zipnn_whole(data, dtype))
         rs.append(zipnn_blocks(data, dtype, row_bytes))
         for r in rs:

@@ -254,10 +254,10 @@ impl Encoder {
 pub(crate) struct Decoder {
     /// `symbol | length << 8`; length 0 marks bits that no code starts with.
     single: Box<[u16; TABLE_SIZE]>,
-    /// `symbols (3 bytes) | count << 24 | total length << 26`; an empty slot is
-    /// `EMPTY`: it consumes `MAX_LEN` bits and one symbol, so the fast loop always makes
-    /// progress, and its flag bit is checked once at the end.
-    multi: Box<[u32; TABLE_SIZE]>,
+    /// `symbols (4 bytes) | count << 32 | total length << 36`; an empty slot is `EMPTY`:
+    /// it consumes `MAX_LEN` bits and one symbol, so the fast loop always makes progress,
+    /// and its flag bit is checked once at the end.
+    multi: Box<[u64; TABLE_SIZE]>,
 }
 
 impl std::fmt::Debug for Decoder {
@@ -267,10 +267,10 @@ impl std::fmt::Debug for Decoder {
 }
 
 /// Symbols a `multi` entry emits; at most this many bytes are written per lookup.
-const MULTI: usize = 3;
+const MULTI: usize = 4;
 /// Flag bit of an empty `multi` slot (count 1, length `MAX_LEN`).
-const EMPTY_FLAG: u32 = 1 << 30;
-const EMPTY: u32 = EMPTY_FLAG | 1 << 24 | (MAX_LEN as u32) << 26;
+const EMPTY_FLAG: u64 = 1 << 48;
+const EMPTY: u64 = EMPTY_FLAG | 1 << 32 | (MAX_LEN as u64) << 36;
 
 impl Decoder {
     pub(crate) fn new(lengths: &CodeLengths) -> Self {
@@ -288,10 +288,10 @@ impl Decoder {
                 i += 1 << l;
             }
         }
-        let mut multi = Box::new([0u32; TABLE_SIZE]);
+        let mut multi = Box::new([0u64; TABLE_SIZE]);
         for (i, m) in multi.iter_mut().enumerate() {
             let (mut x, mut left, mut syms, mut count, mut total) =
-                (i, u32::from(MAX_LEN), 0u32, 0u32, 0u32);
+                (i, u32::from(MAX_LEN), 0u64, 0u64, 0u64);
             while (count as usize) < MULTI {
                 let e = single.get(x).copied().unwrap_or(0);
                 let l = u32::from(e >> 8);
@@ -299,16 +299,16 @@ impl Decoder {
                 if l == 0 || l > left {
                     break;
                 }
-                syms |= u32::from(e & 0xff) << (8 * count);
+                syms |= u64::from(e & 0xff) << (8 * count);
                 count += 1;
-                total += l;
+                total += u64::from(l);
                 x >>= l;
                 left -= l;
             }
             *m = if count == 0 {
-                0
+                EMPTY
             } else {
-                syms | count << 24 | total << 26
+                syms | count << 32 | total << 36
             };
         }
         Self { single, multi }
@@ -322,7 +322,7 @@ impl Decoder {
     /// starts with, or (with `exact`) has bytes left.
     pub(crate) fn decode(&self, stream: &[u8], out: &mut [u8], exact: bool) -> Result<()> {
         let mut st = Bits::new(stream);
-        let mut flags = 0u32;
+        let mut flags = 0u64;
         let p = self.fast(&mut st, out, 0, &mut flags);
         self.finish(&mut st, out, p, flags, exact)
     }
@@ -339,7 +339,7 @@ impl Decoder {
         let (stream_b, out_b, exact_b) = b;
         let (mut sa, mut sb) = (Bits::new(stream_a), Bits::new(stream_b));
         let (mut pa, mut pb) = (0usize, 0usize);
-        let (mut fa, mut fb) = (0u32, 0u32);
+        let (mut fa, mut fb) = (0u64, 0u64);
         while let (Some(wa), Some(wb)) = (
             out_a.get_mut(pa..pa + WINDOW),
             out_b.get_mut(pb..pb + WINDOW),
@@ -362,7 +362,7 @@ impl Decoder {
 
     /// One `multi` lookup: up to `MULTI` symbols into `window[*q..]`.
     #[inline(always)]
-    fn step(&self, st: &mut Bits<'_>, window: &mut [u8], q: &mut usize, flags: &mut u32) {
+    fn step(&self, st: &mut Bits<'_>, window: &mut [u8], q: &mut usize, flags: &mut u64) {
         let e = self
             .multi
             .get((st.acc & MASK) as usize)
@@ -372,8 +372,8 @@ impl Decoder {
         if let Some(dst) = window.get_mut(*q..*q + MULTI) {
             dst.copy_from_slice(&e.to_le_bytes()[..MULTI]);
         }
-        let l = (e >> 26) & 0xf;
-        *q += ((e >> 24) & 3) as usize;
+        let l = ((e >> 36) & 0xf) as u32;
+        *q += ((e >> 32) & 7) as usize;
         st.acc >>= l;
         st.bits -= l;
     }
@@ -381,7 +381,7 @@ impl Decoder {
     /// The fast loop from `out[p..]`: one refill (at least 56 bits) then `LOOKUPS` lookups
     /// of at most 12 bits, written through a `WINDOW`-byte window (one bounds check per
     /// refill). Returns how far it got; the rest is for `finish`.
-    fn fast(&self, st: &mut Bits<'_>, out: &mut [u8], mut p: usize, flags: &mut u32) -> usize {
+    fn fast(&self, st: &mut Bits<'_>, out: &mut [u8], mut p: usize, flags: &mut u64) -> usize {
         while let Some(window) = out.get_mut(p..p + WINDOW) {
             st.refill();
             let mut q = 0usize;
@@ -399,7 +399,7 @@ impl Decoder {
         st: &mut Bits<'_>,
         out: &mut [u8],
         p: usize,
-        flags: u32,
+        flags: u64,
         exact: bool,
     ) -> Result<()> {
         let empty = || Error::Malformed("coded plane holds bits that no code starts with".into());
@@ -612,6 +612,28 @@ mod tests {
             }),
             u64::MAX
         );
+    }
+
+    #[test]
+    fn empty_slot_in_a_long_stream_is_an_error_not_a_hang() {
+        // an incomplete table: one code "0"; a stream of 1 bits starts no code. 100 symbols
+        // take the fast loop, which must still make progress and report the empty slot.
+        let mut counts = [0u64; 256];
+        counts[7] = 5;
+        let lens = CodeLengths::from_counts(&counts);
+        let mut out = [0u8; 100];
+        let err = Decoder::new(&lens)
+            .decode(&[0xff; 40], &mut out, false)
+            .unwrap_err();
+        assert!(matches!(err, Error::Malformed(_)), "{err}");
+        let mut other = [0u8; 100];
+        let err = Decoder::new(&lens)
+            .decode_pair(
+                (&[0xff; 40], &mut out, false),
+                (&[0x00; 40], &mut other, false),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::Malformed(_)), "{err}");
     }
 
     #[test]
