@@ -167,6 +167,36 @@ proptest! {
         let _ = BlockStore::from_bytes(&with_magic);
     }
 
+    /// Hostile code tables (incomplete, over-long, garbage) behind a valid index digest:
+    /// loading or decoding may fail, but never panics or hangs.
+    #[test]
+    fn resealed_table_tampering_never_panics_or_hangs(flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8)) {
+        let (_, s) = sample();
+        let mut bytes = s.to_bytes();
+        let (digests, payload) = regions(&bytes, 4, s.num_blocks());
+        let tables_end = digests - 4 * s.num_blocks();
+        // the table bytes: after each plane's count byte
+        let mut table_bytes = Vec::new();
+        let mut pos = 32;
+        for _ in 0..4 {
+            let count = bytes[pos] as usize;
+            table_bytes.extend(pos + 1..pos + 1 + 128 * count);
+            pos += 1 + 128 * count;
+        }
+        prop_assert_eq!(pos, tables_end);
+        prop_assume!(!table_bytes.is_empty());
+        for (at, v) in flips {
+            bytes[table_bytes[at.index(table_bytes.len())]] = v;
+        }
+        let index: [u8; 32] = Sha256::digest(&bytes[..payload - 32]).into();
+        bytes[payload - 32..payload].copy_from_slice(&index);
+        if let Ok(t) = BlockStore::from_bytes(&bytes) {
+            let _ = t.decode_all();
+            let mut out = vec![0u8; 3 * 32];
+            let _ = t.decode_rows(&[0, 17, 49], &mut out);
+        }
+    }
+
     #[test]
     fn resealed_tampering_never_panics(flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)) {
         let (_, s) = sample();
