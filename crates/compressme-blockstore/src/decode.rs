@@ -225,17 +225,8 @@ impl<'s> Decoder<'s> {
                     *src = Src::Scratch(k * n);
                 }
                 m if m >= MODE_HUFFMAN_ROWS => {
-                    let t = usize::from(m - MODE_HUFFMAN_ROWS);
-                    let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
-                    let body = bytes
-                        .get(pos..pos + len)
-                        .ok_or_else(|| bad("coded plane runs past the block"))?;
-                    pos += len;
-                    let dec = s.decoders.get(k).and_then(|ts| ts.get(t)).ok_or_else(|| {
-                        bad(&format!(
-                            "plane {k} names code table {t}, which does not exist"
-                        ))
-                    })?;
+                    let (body, dec) = coded_plane(s, bytes, &mut pos, k, m - MODE_HUFFMAN_ROWS)
+                        .map_err(|e| e.in_block(block))?;
                     let index_len = 2 * rows.saturating_sub(1);
                     let (index, segs) = body
                         .split_at_checked(index_len)
@@ -281,17 +272,8 @@ impl<'s> Decoder<'s> {
                     *src = Src::Scratch(k * n);
                 }
                 m if m >= MODE_HUFFMAN => {
-                    let t = usize::from(m - MODE_HUFFMAN);
-                    let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
-                    let stream = bytes
-                        .get(pos..pos + len)
-                        .ok_or_else(|| bad("coded plane runs past the block"))?;
-                    pos += len;
-                    let dec = s.decoders.get(k).and_then(|ts| ts.get(t)).ok_or_else(|| {
-                        bad(&format!(
-                            "plane {k} names code table {t}, which does not exist"
-                        ))
-                    })?;
+                    let (stream, dec) = coded_plane(s, bytes, &mut pos, k, m - MODE_HUFFMAN)
+                        .map_err(|e| e.in_block(block))?;
                     // two streams: rows [0, h) and [h, rows); each decoded only as far as
                     // the last wanted row in it, both at once when both are needed
                     let mut sp = 0usize;
@@ -375,6 +357,32 @@ impl<'s> Decoder<'s> {
         }
         Ok(())
     }
+}
+
+/// A Huffman-coded plane record after its mode byte: the LEB128 body length, the body,
+/// and the decoder of the plane's table `t`.
+fn coded_plane<'b, 's>(
+    store: &'s BlockStore,
+    bytes: &'b [u8],
+    pos: &mut usize,
+    plane: usize,
+    t: u8,
+) -> Result<(&'b [u8], &'s crate::huffman::Decoder)> {
+    let len = get_varint(bytes, pos)?;
+    let body = bytes
+        .get(*pos..*pos + len)
+        .ok_or_else(|| Error::Malformed("coded plane runs past the block".into()))?;
+    *pos += len;
+    let dec = store
+        .decoders
+        .get(plane)
+        .and_then(|ts| ts.get(usize::from(t)))
+        .ok_or_else(|| {
+            Error::Malformed(format!(
+                "plane {plane} names code table {t}, which does not exist"
+            ))
+        })?;
+    Ok((body, dec))
 }
 
 fn gather2(a: &[u8], b: &[u8], dst: &mut [u8], rot: bool) {
