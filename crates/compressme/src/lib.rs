@@ -6,7 +6,9 @@
 //! - [`shuffle`] ([`compressme_shuffle`]): byte shuffle / unshuffle;
 //! - [`blockstore`] ([`compressme_blockstore`]): lossless row blocks with SHA-256 seals;
 //! - [`nn`] ([`compressme_nn`]): candle layers on packed storage, such as
-//!   [`PackedFrozenEmbedding`].
+//!   [`PackedFrozenEmbedding`];
+//! - [`quant`] ([`compressme_quant`]): weight formats (f16, bf16, INT8, NF4, blockwise
+//!   4-bit) and kernels that read packed weights directly.
 //!
 //! What it is not: a place for codecs or model code of its own.
 //!
@@ -25,4 +27,5 @@
 pub use compressme_blockstore as blockstore;
 pub use compressme_nn as nn;
 pub use compressme_nn::{PackOptions, PackedFrozenEmbedding};
+pub use compressme_quant as quant;
 pub use compressme_shuffle as shuffle;

@@ -1,0 +1,492 @@
+//! The formats, their layouts in memory, quantization and dequantization.
+#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+
+use half::{bf16, f16};
+
+use crate::{Error, Result};
+
+/// The QLoRA 4-bit NormalFloat codebook (Dettmers et al., 2023), ascending; index 7 is 0.
+pub const NF4_CODEBOOK: [f32; 16] = [
+    -1.0,
+    -0.696_192_8,
+    -0.525_073_05,
+    -0.394_917_5,
+    -0.284_441_38,
+    -0.184_773_43,
+    -0.091_050_036,
+    0.0,
+    0.079_580_3,
+    0.160_930_2,
+    0.246_112_3,
+    0.337_915_24,
+    0.440_709_83,
+    0.562_617,
+    0.722_956_84,
+    1.0,
+];
+
+/// Weights per scale in the blockwise 4-bit formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupSize {
+    /// 32 weights a group.
+    G32,
+    /// 64 weights a group.
+    G64,
+    /// 128 weights a group.
+    G128,
+}
+
+impl GroupSize {
+    /// Weights a group.
+    #[must_use]
+    pub const fn get(self) -> usize {
+        match self {
+            Self::G32 => 32,
+            Self::G64 => 64,
+            Self::G128 => 128,
+        }
+    }
+}
+
+/// A storage format. Wire tags ([`Format::tag`]) are explicit and stable, never the
+/// declaration order; a retired tag leaves a gap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Format {
+    /// IEEE half precision, round to nearest even. 16 bits a weight.
+    F16,
+    /// bfloat16, round to nearest even. 16 bits a weight.
+    Bf16,
+    /// Symmetric INT8, one f32 scale (absmax / 127) per row. 8 bits a weight + 32 a row.
+    Int8,
+    /// NF4 codebook, one f32 absmax scale per row, two indices a byte (low nibble first);
+    /// an odd row ends in half a byte. 4 bits a weight + 32 a row.
+    Nf4,
+    /// NF4 codebook with one f16 absmax scale per group (bitsandbytes-style blockwise).
+    Nf4Block(GroupSize),
+    /// Asymmetric uniform 4-bit: per group an f16 minimum and an f16 step
+    /// ((max - min) / 15); a weight is `min + q * step`, `q` in 0..=15.
+    Int4Block(GroupSize),
+    /// INT8 rows for embedding tables: as `Int8`, and an all-zero row stays exactly zero.
+    Int8Rows,
+}
+
+impl Format {
+    /// Wire tag of the format (the group size is a separate field).
+    #[must_use]
+    pub const fn tag(self) -> u8 {
+        match self {
+            Self::F16 => 1,
+            Self::Bf16 => 2,
+            Self::Int8 => 3,
+            Self::Nf4 => 4,
+            Self::Nf4Block(_) => 5,
+            Self::Int4Block(_) => 6,
+            Self::Int8Rows => 7,
+        }
+    }
+
+    /// Weights per group for the blockwise formats.
+    #[must_use]
+    pub const fn group(self) -> Option<usize> {
+        match self {
+            Self::Nf4Block(g) | Self::Int4Block(g) => Some(g.get()),
+            _ => None,
+        }
+    }
+
+    /// Bytes of codes for one row of `cols` weights.
+    #[must_use]
+    pub const fn row_code_bytes(self, cols: usize) -> usize {
+        match self {
+            Self::F16 | Self::Bf16 => 2 * cols,
+            Self::Int8 | Self::Int8Rows => cols,
+            Self::Nf4 | Self::Nf4Block(_) | Self::Int4Block(_) => cols.div_ceil(2),
+        }
+    }
+
+    /// Scales (and minimums) kept per row, and bytes each.
+    const fn row_params(self, cols: usize) -> (usize, usize, usize) {
+        match self {
+            Self::F16 | Self::Bf16 => (0, 0, 0),
+            Self::Int8 | Self::Int8Rows | Self::Nf4 => (1, 4, 0),
+            Self::Nf4Block(g) => (cols.div_ceil(g.get()), 2, 0),
+            Self::Int4Block(g) => (cols.div_ceil(g.get()), 2, cols.div_ceil(g.get())),
+        }
+    }
+
+    /// Stored bits a weight for rows of `cols` weights (codes, scales, minimums).
+    #[must_use]
+    pub fn bits_per_weight(self, cols: usize) -> f64 {
+        let (n, size, mins) = self.row_params(cols);
+        let bytes = self.row_code_bytes(cols) + n * size + mins * 2;
+        8.0 * bytes as f64 / cols.max(1) as f64
+    }
+}
+
+/// A `[rows, cols]` weight matrix in one format.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Packed {
+    format: Format,
+    rows: usize,
+    cols: usize,
+    /// Row-major codes, `row_code_bytes(cols)` a row.
+    codes: Vec<u8>,
+    /// Per row (Int8, Int8Rows, Nf4) or per group (blockwise), row-major.
+    scales: Vec<f32>,
+    /// Int4Block's per-group minimums.
+    mins: Vec<f32>,
+}
+
+fn nf4_index(v: f32) -> u8 {
+    // midpoints between neighbouring codebook values decide the nearest
+    let mut idx = 0u8;
+    for pair in NF4_CODEBOOK.windows(2) {
+        if let [a, b] = pair
+            && v > (a + b) / 2.0
+        {
+            idx += 1;
+        }
+    }
+    idx
+}
+
+fn f16_round(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+fn set_nibble(codes: &mut [u8], j: usize, q: u8) {
+    if let Some(b) = codes.get_mut(j / 2) {
+        if j.is_multiple_of(2) {
+            *b = (*b & 0xf0) | (q & 0x0f);
+        } else {
+            *b = (*b & 0x0f) | (q << 4);
+        }
+    }
+}
+
+fn nibble(codes: &[u8], j: usize) -> u8 {
+    let b = codes.get(j / 2).copied().unwrap_or(0);
+    if j.is_multiple_of(2) {
+        b & 0x0f
+    } else {
+        b >> 4
+    }
+}
+
+/// Quantizes row-major `[rows, cols]` f32 weights.
+///
+/// # Errors
+/// [`Error::Shape`] when `w.len() != rows * cols` or a dimension is zero,
+/// [`Error::NonFinite`] for the first NaN or infinite weight, and [`Error::Shape`] when a
+/// blockwise group's range does not fit an f16 scale.
+pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<Packed> {
+    if rows == 0 || cols == 0 {
+        return Err(Error::Shape(format!(
+            "cannot quantize an empty [{rows}, {cols}] matrix"
+        )));
+    }
+    if rows.checked_mul(cols) != Some(w.len()) {
+        return Err(Error::Shape(format!(
+            "{} weights given for [{rows}, {cols}]",
+            w.len()
+        )));
+    }
+    if let Some((index, &value)) = w.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return Err(Error::NonFinite {
+            index,
+            row: index / cols,
+            value,
+        });
+    }
+    let rb = format.row_code_bytes(cols);
+    let mut codes = vec![0u8; rows * rb];
+    let mut scales = Vec::new();
+    let mut mins = Vec::new();
+    for (row, out) in w.chunks_exact(cols).zip(codes.chunks_exact_mut(rb)) {
+        match format {
+            Format::F16 => {
+                for (o, &v) in out.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            Format::Bf16 => {
+                for (o, &v) in out.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            Format::Int8 | Format::Int8Rows => {
+                let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let scale = absmax / 127.0;
+                for (o, &v) in out.iter_mut().zip(row) {
+                    let q = if scale > 0.0 {
+                        (v / scale).round().clamp(-127.0, 127.0)
+                    } else {
+                        0.0
+                    };
+                    *o = (q as i8) as u8;
+                }
+                scales.push(scale);
+            }
+            Format::Nf4 => {
+                let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (j, &v) in row.iter().enumerate() {
+                    let q = if absmax > 0.0 {
+                        nf4_index(v / absmax)
+                    } else {
+                        7
+                    };
+                    set_nibble(out, j, q);
+                }
+                scales.push(absmax);
+            }
+            Format::Nf4Block(g) => {
+                for (gi, group) in row.chunks(g.get()).enumerate() {
+                    let absmax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let scale = f16_scale(absmax)?;
+                    for (j, &v) in group.iter().enumerate() {
+                        let q = if scale > 0.0 { nf4_index(v / scale) } else { 7 };
+                        set_nibble(out, gi * g.get() + j, q);
+                    }
+                    scales.push(scale);
+                }
+            }
+            Format::Int4Block(g) => {
+                for (gi, group) in row.chunks(g.get()).enumerate() {
+                    let lo = group.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+                    let hi = group.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    let min = f16_scale(lo.abs())?.copysign(lo);
+                    // a constant group (a one-weight tail group, say) has no step: every
+                    // weight is the minimum, and requantizing gives the same codes
+                    let step = if hi > lo {
+                        f16_scale((hi - min).max(0.0) / 15.0)?
+                    } else {
+                        0.0
+                    };
+                    for (j, &v) in group.iter().enumerate() {
+                        let q = if step > 0.0 {
+                            ((v - min) / step).round().clamp(0.0, 15.0) as u8
+                        } else {
+                            0
+                        };
+                        set_nibble(out, gi * g.get() + j, q);
+                    }
+                    scales.push(step);
+                    mins.push(min);
+                }
+            }
+        }
+    }
+    Ok(Packed {
+        format,
+        rows,
+        cols,
+        codes,
+        scales,
+        mins,
+    })
+}
+
+/// A non-negative value rounded to f16, refusing what f16 cannot hold.
+fn f16_scale(v: f32) -> Result<f32> {
+    let s = f16_round(v);
+    if s.is_finite() {
+        Ok(s)
+    } else {
+        Err(Error::Shape(format!(
+            "a group's range {v} does not fit an f16 scale"
+        )))
+    }
+}
+
+impl Packed {
+    /// Builds packed weights from their buffers, checking that they fit the format and
+    /// shape (lengths, finite scales), as a reader of untrusted bytes must.
+    ///
+    /// # Errors
+    /// [`Error::Malformed`] naming what does not fit.
+    pub fn from_parts(
+        format: Format,
+        rows: usize,
+        cols: usize,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+    ) -> Result<Self> {
+        let (n_scales, _, n_mins) = format.row_params(cols);
+        let want = |what: &str, got: usize, per_row: usize| -> Result<()> {
+            match rows.checked_mul(per_row) {
+                Some(w) if w == got => Ok(()),
+                _ => Err(Error::Malformed(format!(
+                    "{what}: {got} for {rows} rows of {per_row}"
+                ))),
+            }
+        };
+        if rows == 0 || cols == 0 {
+            return Err(Error::Malformed(format!("empty shape [{rows}, {cols}]")));
+        }
+        want("codes", codes.len(), format.row_code_bytes(cols))?;
+        want("scales", scales.len(), n_scales)?;
+        want("minimums", mins.len(), n_mins)?;
+        if let Some(s) = scales.iter().chain(&mins).find(|s| !s.is_finite()) {
+            return Err(Error::Malformed(format!("scale {s} is not finite")));
+        }
+        Ok(Self {
+            format,
+            rows,
+            cols,
+            codes,
+            scales,
+            mins,
+        })
+    }
+
+    /// The format.
+    #[must_use]
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Output features (rows).
+    #[must_use]
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features (columns).
+    #[must_use]
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The code bytes, row-major.
+    #[must_use]
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// The scales (per row or per group, row-major).
+    #[must_use]
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
+    /// `Int4Block`'s per-group minimums (empty otherwise).
+    #[must_use]
+    pub fn mins(&self) -> &[f32] {
+        &self.mins
+    }
+
+    /// Every byte kept: codes, plus scales and minimums at their stored width (f32 per
+    /// row, f16 per group).
+    #[must_use]
+    pub fn stored_bytes(&self) -> usize {
+        let (_, size, _) = self.format.row_params(self.cols);
+        self.codes.len() + self.scales.len() * size + self.mins.len() * 2
+    }
+
+    /// Bytes of the same matrix in f32.
+    #[must_use]
+    pub fn dense_bytes(&self) -> usize {
+        4 * self.rows * self.cols
+    }
+
+    /// Decodes row `r` into `out` (`cols` values).
+    pub(crate) fn decode_row(&self, r: usize, out: &mut [f32]) {
+        let rb = self.format.row_code_bytes(self.cols);
+        let codes = self.codes.get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+        match self.format {
+            Format::F16 => {
+                for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
+                    *o = f16::from_bits(u16::from_le_bytes([
+                        c.first().copied().unwrap_or(0),
+                        c.get(1).copied().unwrap_or(0),
+                    ]))
+                    .to_f32();
+                }
+            }
+            Format::Bf16 => {
+                for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
+                    *o = bf16::from_bits(u16::from_le_bytes([
+                        c.first().copied().unwrap_or(0),
+                        c.get(1).copied().unwrap_or(0),
+                    ]))
+                    .to_f32();
+                }
+            }
+            Format::Int8 | Format::Int8Rows => {
+                let s = self.scales.get(r).copied().unwrap_or(0.0);
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = f32::from(c as i8) * s;
+                }
+            }
+            Format::Nf4 => {
+                let s = self.scales.get(r).copied().unwrap_or(0.0);
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = NF4_CODEBOOK
+                        .get(usize::from(nibble(codes, j)))
+                        .copied()
+                        .unwrap_or(0.0)
+                        * s;
+                }
+            }
+            Format::Nf4Block(g) => {
+                let ng = self.cols.div_ceil(g.get());
+                for (gi, chunk) in out.chunks_mut(g.get()).enumerate() {
+                    let s = self.scales.get(r * ng + gi).copied().unwrap_or(0.0);
+                    for (j, o) in chunk.iter_mut().enumerate() {
+                        let q = nibble(codes, gi * g.get() + j);
+                        *o = NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0) * s;
+                    }
+                }
+            }
+            Format::Int4Block(g) => {
+                let ng = self.cols.div_ceil(g.get());
+                for (gi, chunk) in out.chunks_mut(g.get()).enumerate() {
+                    let s = self.scales.get(r * ng + gi).copied().unwrap_or(0.0);
+                    let m = self.mins.get(r * ng + gi).copied().unwrap_or(0.0);
+                    for (j, o) in chunk.iter_mut().enumerate() {
+                        *o = m + f32::from(nibble(codes, gi * g.get() + j)) * s;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Dequantizes the whole matrix into `out` (`rows * cols` values).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `out` has the wrong length.
+    pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
+        if out.len() != self.rows * self.cols {
+            return Err(Error::Shape(format!(
+                "output has {} values, need {}",
+                out.len(),
+                self.rows * self.cols
+            )));
+        }
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.decode_row(r, row);
+        }
+        Ok(())
+    }
+
+    /// Dequantizes rows `ids` (any order, repeats allowed), one after another: an
+    /// embedding lookup that touches only the requested rows.
+    ///
+    /// # Errors
+    /// [`Error::RowOutOfRange`] for the first id past the end.
+    pub fn dequantize_rows(&self, ids: &[usize]) -> Result<Vec<f32>> {
+        if let Some(&id) = ids.iter().find(|&&id| id >= self.rows) {
+            return Err(Error::RowOutOfRange {
+                id,
+                rows: self.rows,
+            });
+        }
+        let mut out = vec![0f32; ids.len() * self.cols];
+        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
+            self.decode_row(id, row);
+        }
+        Ok(out)
+    }
+}

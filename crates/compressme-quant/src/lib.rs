@@ -1,0 +1,71 @@
+//! Weight formats with exact byte accounting, and kernels that read packed weights directly.
+//!
+//! A [`Packed`] matrix is `[rows, cols]` f32 weights (rows = output features) stored in one
+//! [`Format`]: `F16`, `Bf16`, `Int8` (symmetric, one scale per row), `Nf4` (the QLoRA
+//! NormalFloat codebook, one absmax scale per row), the blockwise 4-bit formats
+//! `Nf4Block` and `Int4Block` (one f16 scale, and for `Int4Block` an f16 minimum, per group
+//! of 32, 64 or 128 weights along a row), and `Int8Rows` for embedding tables.
+//! [`quantize`] refuses non-finite weights and empty shapes; [`Packed::dequantize_into`],
+//! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
+//! computes `x W^T` one packed row at a time, never holding `W` in f32, on all cores, and
+//! [`reference::matmul`] is the scalar definition it is tested against.
+//!
+//! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
+//! benches put llama.cpp's formats beside these), and not a file format (the artifact
+//! crate stores these buffers).
+//!
+//! # Example
+//! ```
+//! use compressme_quant::{Format, GroupSize, matmul, quantize};
+//!
+//! let w: Vec<f32> = (0..4 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+//! let q = quantize(&w, 4, 64, Format::Nf4Block(GroupSize::G32))?;
+//! // 4-bit codes plus one f16 scale per 32 weights: 4.5 bits a weight
+//! assert_eq!(q.stored_bytes(), 4 * 32 + 4 * 2 * 2);
+//! let x = vec![1.0f32; 64];
+//! let y = matmul(&x, 1, &q)?; // [1, 4]
+//! assert_eq!(y.len(), 4);
+//! # Ok::<(), compressme_quant::Error>(())
+//! ```
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+mod format;
+mod kernels;
+pub mod reference;
+
+pub use format::{Format, GroupSize, NF4_CODEBOOK, Packed, quantize};
+pub use kernels::matmul;
+
+/// Result alias for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong quantizing or multiplying.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A weight is NaN or infinite.
+    #[error("weight {index} (row {row}) is not finite: {value}")]
+    NonFinite {
+        /// Flat index of the weight.
+        index: usize,
+        /// Its row.
+        row: usize,
+        /// The value.
+        value: f32,
+    },
+    /// The shape does not fit the data, or is empty.
+    #[error("bad shape: {0}")]
+    Shape(String),
+    /// Packed buffers that do not match their format and shape.
+    #[error("malformed packed weights: {0}")]
+    Malformed(String),
+    /// A row id past the end.
+    #[error("row {id} out of range for {rows} rows")]
+    RowOutOfRange {
+        /// The id.
+        id: usize,
+        /// Rows in the matrix.
+        rows: usize,
+    },
+}
