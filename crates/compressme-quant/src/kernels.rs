@@ -22,6 +22,18 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `x` must be `[batch, cols]`.
+pub(crate) fn check_input(x: &[f32], batch: usize, cols: usize) -> Result<()> {
+    if batch.checked_mul(cols) == Some(x.len()) {
+        return Ok(());
+    }
+    let need = batch.saturating_mul(cols);
+    Err(Error::Shape(format!(
+        "x has {} values, [{batch}, {cols}] needs {need}",
+        x.len()
+    )))
+}
+
 /// `y = x W^T` for `x: [batch, cols]` and packed `W: [rows, cols]`, giving `[batch, rows]`.
 ///
 /// Each output row's weights are decoded from the packed bytes into a row-sized buffer
@@ -32,13 +44,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// [`Error::Shape`] when `x` is not `batch * cols` long.
 pub fn matmul(x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
     let (rows, cols) = (w.rows(), w.cols());
-    if batch.checked_mul(cols) != Some(x.len()) {
-        return Err(Error::Shape(format!(
-            "x has {} values, [{batch}, {cols}] needs {}",
-            x.len(),
-            batch.saturating_mul(cols)
-        )));
-    }
+    check_input(x, batch, cols)?;
     // [rows, batch] first: each task owns whole output rows
     let mut yt = vec![0f32; rows * batch];
     if batch > 0 {

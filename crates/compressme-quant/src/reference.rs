@@ -1,20 +1,14 @@
 //! Scalar references, kept forever as the definitions the fast paths are tested against.
 
-use crate::{Error, Packed, Result};
+use crate::{Packed, Result};
 
 /// `y = x W^T` the plain way: dequantize all of `W`, then one f64 accumulator per output.
 ///
 /// # Errors
-/// [`Error::Shape`] when `x` is not `batch * cols` long.
+/// [`crate::Error::Shape`] when `x` is not `batch * cols` long.
 pub fn matmul(x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
     let (rows, cols) = (w.rows(), w.cols());
-    if batch.checked_mul(cols) != Some(x.len()) {
-        return Err(Error::Shape(format!(
-            "x has {} values, [{batch}, {cols}] needs {}",
-            x.len(),
-            batch.saturating_mul(cols)
-        )));
-    }
+    crate::kernels::check_input(x, batch, cols)?;
     let mut dense = vec![0f32; rows * cols];
     w.dequantize_into(&mut dense)?;
     let mut y = vec![0f32; batch * rows];

@@ -177,10 +177,7 @@ fn bad_requests_are_errors_and_write_nothing() {
     let s = store(&data, 20, 16, ValueKind::F32, 8, Coder::default());
     let mut out = vec![0xaau8; 3 * 16];
     let err = s.decode_rows(&[1, 20, 2], &mut out).unwrap_err();
-    assert!(
-        matches!(err, Error::RowOutOfRange { id: 20, rows: 20 }),
-        "{err}"
-    );
+    assert!(matches!(err, Error::RowOutOfRange { id: 20, rows: 20 }));
     assert_eq!(
         err.to_string(),
         "row 20 out of range for a table of 20 rows"

@@ -168,17 +168,7 @@ fn stored_bytes_count_codes_scales_and_minimums() {
 #[test]
 fn bad_input_is_an_error() {
     let e = quantize(&[1.0, f32::NAN, 0.0, 0.0], 2, 2, Format::Int8).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::NonFinite {
-                index: 1,
-                row: 0,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert_eq!(e.to_string(), "weight 1 (row 0) is not finite: NaN");
     assert!(matches!(
         quantize(&[f32::INFINITY], 1, 1, Format::F16),
         Err(Error::NonFinite { .. })
