@@ -248,9 +248,9 @@ impl Encoder {
 }
 
 /// Decoding tables indexed by the next `MAX_LEN` bits of the stream: `single` gives one
-/// (symbol, length); `multi` gives as many whole codes (up to 3) as fit in those bits, so
+/// (symbol, length); `multi` gives as many whole codes (up to 4) as fit in those bits, so
 /// a low-entropy plane (an exponent plane averages under 3 bits a symbol) decodes about
-/// three symbols per lookup.
+/// three to four symbols per lookup.
 pub(crate) struct Decoder {
     /// `symbol | length << 8`; length 0 marks bits that no code starts with.
     single: Box<[u16; TABLE_SIZE]>,
