@@ -6,7 +6,8 @@
 //! original bytes, in the shape `ids.shape + [dim]`, on the device the layer was moved to.
 //! Nothing is approximated: integer indexing and byte copies only.
 //!
-//! Main types: [`PackedFrozenEmbedding`], [`PackOptions`], [`PackingReport`], [`Error`].
+//! Main types: [`PackedFrozenEmbedding`], [`PackOptions`], [`PackingReport`], [`Error`];
+//! [`llama_quantize`] puts llama.cpp's formats (through candle's GGUF types) beside ours.
 //!
 //! What it is not (yet): the model families, activation hooks and quantized layers arrive
 //! with later work; this crate never defines file formats (see `compressme-artifact`).
@@ -33,6 +34,8 @@
 
 mod embedding;
 mod error;
+mod llama;
 
 pub use embedding::{PackOptions, PackedFrozenEmbedding, PackingReport};
 pub use error::{Error, Result};
+pub use llama::{LlamaFormat, LlamaQuantized, llama_quantize};

@@ -33,6 +33,7 @@
 mod format;
 mod kernels;
 pub mod reference;
+pub mod synthetic;
 
 pub use format::{Format, GroupSize, NF4_CODEBOOK, Packed, quantize};
 pub use kernels::matmul;

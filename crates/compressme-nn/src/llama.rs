@@ -1,0 +1,121 @@
+//! llama.cpp's weight formats through candle's GGUF types, for putting them beside ours on
+//! the same weights. Shapes are checked before candle is called: some of its quantizers
+//! panic on shapes they do not support.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use crate::{Error, Result};
+
+/// The llama.cpp formats compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LlamaFormat {
+    /// 8-bit, one f16 scale per 32 weights: 8.5 bits a weight.
+    Q8_0,
+    /// 4-bit, one f16 scale per 32 weights: 4.5 bits a weight.
+    Q4_0,
+    /// 4-bit K-quant, super-blocks of 256 with 6-bit sub-block scales and minimums: 4.5 bits.
+    Q4K,
+    /// 6-bit K-quant, super-blocks of 256: 6.5625 bits a weight.
+    Q6K,
+}
+
+impl LlamaFormat {
+    /// Every format compared.
+    pub const ALL: [Self; 4] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K];
+
+    fn ggml(self) -> GgmlDType {
+        match self {
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4K => GgmlDType::Q4K,
+            Self::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// Weights a block spans along a row; a row's length must be a multiple of it.
+    #[must_use]
+    pub fn block(self) -> usize {
+        self.ggml().block_size()
+    }
+}
+
+/// Weights quantized to a llama.cpp format and back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaQuantized {
+    /// Bytes candle's quantized tensor keeps.
+    pub stored_bytes: usize,
+    /// The weights dequantized again, row-major.
+    pub dequantized: Vec<f32>,
+}
+
+/// Quantizes row-major `[rows, cols]` weights to `format` with candle and dequantizes them.
+///
+/// # Errors
+/// [`Error::NotEligible`] when a row's length is not a multiple of the format's block (256
+/// for K-quants, 32 otherwise), the shape does not fit the data, or a weight is not finite;
+/// candle errors otherwise.
+pub fn llama_quantize(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    format: LlamaFormat,
+) -> Result<LlamaQuantized> {
+    if rows == 0 || cols == 0 || rows.checked_mul(cols) != Some(w.len()) {
+        return Err(Error::NotEligible(format!(
+            "{} weights do not make a [{rows}, {cols}] matrix",
+            w.len()
+        )));
+    }
+    if !cols.is_multiple_of(format.block()) {
+        return Err(Error::NotEligible(format!(
+            "{format:?} needs rows whose length is a multiple of {}, got {cols}",
+            format.block()
+        )));
+    }
+    if w.iter().any(|v| !v.is_finite()) {
+        return Err(Error::NotEligible("weights must be finite".into()));
+    }
+    let t = Tensor::from_slice(w, (rows, cols), &Device::Cpu)?;
+    let q = QTensor::quantize(&t, format.ggml())?;
+    let dequantized = q
+        .dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok(LlamaQuantized {
+        stored_bytes: q.storage_size_in_bytes(),
+        dequantized,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_candle_cannot_take_are_refused_before_calling_it() {
+        let w = vec![0.5f32; 2 * 100];
+        let e = llama_quantize(&w, 2, 100, LlamaFormat::Q4K).unwrap_err();
+        assert!(e.to_string().contains("multiple of 256"), "{e}");
+        assert!(llama_quantize(&w, 2, 100, LlamaFormat::Q8_0).is_err());
+        assert!(llama_quantize(&w[..10], 2, 100, LlamaFormat::Q8_0).is_err());
+        assert!(llama_quantize(&[f32::NAN; 32], 1, 32, LlamaFormat::Q8_0).is_err());
+    }
+
+    #[test]
+    fn q8_0_round_trip_is_close_and_bytes_are_counted() {
+        let w: Vec<f32> = (0..2 * 256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0)
+            .collect();
+        let q = llama_quantize(&w, 2, 256, LlamaFormat::Q8_0).unwrap();
+        // 34 bytes per 32 weights
+        assert_eq!(q.stored_bytes, 2 * 256 / 32 * 34);
+        let err = w
+            .iter()
+            .zip(&q.dequantized)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 0.5 / 127.0 + 1e-6, "max error {err}");
+    }
+}
