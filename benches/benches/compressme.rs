@@ -165,5 +165,63 @@ fn embedding_suite(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, shuffle_suite, blockstore_suite, embedding_suite);
+/// `y = x W^T` for W 4096 x 4096 at batch 1 and 32: our packed formats against dense f32
+/// (candle's `x.matmul(&w.t())`, its fast path) and candle's `QMatMul` for llama.cpp's
+/// formats. Run with `RAYON_NUM_THREADS=1` to compare one thread to one thread (candle and
+/// our kernels both take their thread count from it).
+fn quant_suite(c: &mut Criterion) {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use compressme_quant::synthetic::{MatrixKind, matrix};
+    use compressme_quant::{Format, GroupSize, matmul, quantize};
+    const N: usize = 4096;
+    let dev = Device::Cpu;
+    let w = matrix(MatrixKind::Gaussian, N, N, 1);
+    let wt = Tensor::from_slice(&w, (N, N), &dev).expect("w");
+    let mut g = c.benchmark_group("quant");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes((N * N * 4) as u64));
+    g.bench_function(BenchmarkId::new("quantize/nf4-g64", "4096x4096"), |b| {
+        b.iter(|| quantize(black_box(&w), N, N, Format::Nf4Block(GroupSize::G64)))
+    });
+    for batch in [1usize, 32] {
+        let x = matrix(MatrixKind::Gaussian, batch, N, 2);
+        let xt = Tensor::from_slice(&x, (batch, N), &dev).expect("x");
+        let size = format!("4096x4096/b{batch}");
+        g.bench_function(BenchmarkId::new("dense-f32-candle", &size), |b| {
+            b.iter(|| xt.matmul(&wt.t().expect("t")))
+        });
+        for (name, dtype) in [
+            ("q8_0", GgmlDType::Q8_0),
+            ("q4_0", GgmlDType::Q4_0),
+            ("q4k", GgmlDType::Q4K),
+            ("q6k", GgmlDType::Q6K),
+        ] {
+            let qm = QMatMul::from_qtensor(QTensor::quantize(&wt, dtype).expect("quantize"))
+                .expect("qmatmul");
+            g.bench_function(BenchmarkId::new(format!("candle-{name}"), &size), |b| {
+                b.iter(|| qm.forward(black_box(&xt)))
+            });
+        }
+        for (name, format) in [
+            ("int8", Format::Int8),
+            ("nf4-g64", Format::Nf4Block(GroupSize::G64)),
+            ("int4-g64", Format::Int4Block(GroupSize::G64)),
+            ("f16", Format::F16),
+        ] {
+            let q = quantize(&w, N, N, format).expect("quantize");
+            g.bench_function(BenchmarkId::new(format!("ours-{name}"), &size), |b| {
+                b.iter(|| matmul(black_box(&x), batch, &q))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    shuffle_suite,
+    blockstore_suite,
+    embedding_suite,
+    quant_suite
+);
 criterion_main!(benches);
