@@ -1,52 +1,261 @@
-//! Quantization error of our formats and llama.cpp's (through candle) on the same fixed
-//! matrices: `cargo run --release -p compressme-benches --bin quant-report`.
-//! Prints a markdown table: stored bits a weight and relative RMSE per matrix kind.
+//! Our quantized formats beside llama.cpp's (through candle), on the same weights:
+//! `cargo run --release -p compressme-benches --bin quant-report -- [--threads N] [--rounds R]`.
+//!
+//! Prints one markdown table, a row per format: stored bits a weight, RMSE relative to the
+//! weights' RMS on three fixed 256 x 512 matrices (Gaussian, Student-t with 3 degrees of
+//! freedom, rows with outliers), quantize throughput (GB/s of f32 input, 4096 x 4096), and
+//! `y = x W^T` for W 4096 x 4096 at batch 1 and 32 as a ratio to dense f32 (candle's
+//! `x.matmul(&w.t())`).
+//!
+//! Timing is interleaved: every round times dense f32 and then every format, and a
+//! format's ratio is the median over rounds of its time over dense's time in the same
+//! round, so a busy neighbour slows both sides of each ratio; the formats take turns in a
+//! different order each round. The thread count goes to
+//! both candle and our kernels through `RAYON_NUM_THREADS` (the binary re-runs itself
+//! with it set).
 
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
 use compressme_nn::{LlamaFormat, llama_quantize};
 use compressme_quant::synthetic::{MatrixKind, matrix, rel_rmse};
-use compressme_quant::{Format, GroupSize, quantize};
+use compressme_quant::{Format, GroupSize, Packed, matmul, quantize};
 
-const ROWS: usize = 256;
-const COLS: usize = 512;
+const ERR_ROWS: usize = 256;
+const ERR_COLS: usize = 512;
+const N: usize = 4096;
 
-fn main() -> Result<(), String> {
+type Fallible<T> = Result<T, String>;
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+struct Args {
+    threads: usize,
+    rounds: usize,
+}
+
+fn args() -> Fallible<Args> {
+    let mut a = Args {
+        threads: 1,
+        rounds: 9,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let v = it.next().ok_or(format!("{k} needs a value"))?;
+        let n: usize = v
+            .parse()
+            .map_err(|_| format!("{k}: `{v}` is not a count"))?;
+        match k.as_str() {
+            "--threads" => a.threads = n.max(1),
+            "--rounds" => a.rounds = n.max(1),
+            _ => return Err(format!("unknown option {k} (--threads N, --rounds R)")),
+        }
+    }
+    Ok(a)
+}
+
+/// A kernel under test: ours or candle's.
+enum Kernel {
+    Ours(Packed),
+    Candle(QMatMul),
+}
+
+struct Row {
+    name: String,
+    bits: f64,
+    rmse: [f64; 3],
+    quantize_gbs: f64,
+    kernel: Kernel,
+    /// Per batch size: (time, ratio to dense) per round.
+    samples: [Vec<(f64, f64)>; 2],
+}
+
+fn best_of(reps: usize, mut f: impl FnMut() -> Fallible<()>) -> Fallible<Duration> {
+    let mut best = Duration::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        best = best.min(t.elapsed());
+    }
+    Ok(best)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn ours_row(format: Format, name: &str, mats: &[Vec<f32>], w: &[f32]) -> Fallible<Row> {
+    let mut rmse = [0.0; 3];
+    let mut bits = 0.0;
+    for (r, m) in rmse.iter_mut().zip(mats) {
+        let q = quantize(m, ERR_ROWS, ERR_COLS, format).map_err(s)?;
+        let mut back = vec![0f32; m.len()];
+        q.dequantize_into(&mut back).map_err(s)?;
+        *r = rel_rmse(m, &back);
+        bits = 8.0 * q.stored_bytes() as f64 / (ERR_ROWS * ERR_COLS) as f64;
+    }
+    let mut packed = None;
+    let t = best_of(3, || {
+        packed = Some(quantize(w, N, N, format).map_err(s)?);
+        Ok(())
+    })?;
+    Ok(Row {
+        name: format!("ours {name}"),
+        bits,
+        rmse,
+        quantize_gbs: (N * N * 4) as f64 / t.as_secs_f64() / 1e9,
+        kernel: Kernel::Ours(packed.ok_or("no packed weights")?),
+        samples: [Vec::new(), Vec::new()],
+    })
+}
+
+fn candle_row(f: LlamaFormat, mats: &[Vec<f32>], wt: &Tensor) -> Fallible<Row> {
+    let mut rmse = [0.0; 3];
+    let mut bits = 0.0;
+    for (r, m) in rmse.iter_mut().zip(mats) {
+        let q = llama_quantize(m, ERR_ROWS, ERR_COLS, f).map_err(s)?;
+        *r = rel_rmse(m, &q.dequantized);
+        bits = 8.0 * q.stored_bytes as f64 / (ERR_ROWS * ERR_COLS) as f64;
+    }
+    let dtype = f.ggml();
+    let mut qt = None;
+    let t = best_of(3, || {
+        qt = Some(QTensor::quantize(wt, dtype).map_err(s)?);
+        Ok(())
+    })?;
+    let qm = QMatMul::from_qtensor(qt.ok_or("no tensor")?).map_err(s)?;
+    Ok(Row {
+        name: format!("llama.cpp {f:?} (candle)"),
+        bits,
+        rmse,
+        quantize_gbs: (N * N * 4) as f64 / t.as_secs_f64() / 1e9,
+        kernel: Kernel::Candle(qm),
+        samples: [Vec::new(), Vec::new()],
+    })
+}
+
+fn main() -> Fallible<()> {
+    let a = args()?;
+    if std::env::var("RAYON_NUM_THREADS").ok() != Some(a.threads.to_string()) {
+        // candle reads its thread count from the environment: run again with it set
+        let exe = std::env::current_exe().map_err(s)?;
+        let status = std::process::Command::new(exe)
+            .args(std::env::args().skip(1))
+            .env("RAYON_NUM_THREADS", a.threads.to_string())
+            .status()
+            .map_err(s)?;
+        return if status.success() {
+            Ok(())
+        } else {
+            Err(format!("report failed: {status}"))
+        };
+    }
     let mats: Vec<Vec<f32>> = MatrixKind::ALL
         .iter()
-        .map(|&k| matrix(k, ROWS, COLS, 42))
+        .map(|&k| matrix(k, ERR_ROWS, ERR_COLS, 42))
         .collect();
-    let n = (ROWS * COLS) as f64;
-    println!("| format | stored bits a weight | Gaussian | Student-t (3) | outlier rows |");
-    println!("| --- | --- | --- | --- | --- |");
-    let mut ours = vec![Format::F16, Format::Bf16, Format::Int8, Format::Nf4];
+    let w = matrix(MatrixKind::Gaussian, N, N, 1);
+    let dev = Device::Cpu;
+    let wt = Tensor::from_slice(&w, (N, N), &dev).map_err(s)?;
+
+    let mut rows = Vec::new();
+    let mut ours = vec![
+        (Format::F16, "F16".to_string()),
+        (Format::Bf16, "BF16".to_string()),
+        (Format::Int8, "INT8 (per row)".to_string()),
+        (Format::Nf4, "NF4 (per row)".to_string()),
+    ];
     for g in [GroupSize::G32, GroupSize::G64, GroupSize::G128] {
-        ours.extend([Format::Nf4Block(g), Format::Int4Block(g)]);
+        ours.push((Format::Nf4Block(g), format!("NF4 g{}", g.get())));
+        ours.push((Format::Int4Block(g), format!("INT4 g{} (asym)", g.get())));
     }
-    for f in ours {
-        let mut row = Vec::new();
-        let mut bits = 0.0;
-        for w in &mats {
-            let q = quantize(w, ROWS, COLS, f).map_err(|e| e.to_string())?;
-            let mut back = vec![0f32; w.len()];
-            q.dequantize_into(&mut back).map_err(|e| e.to_string())?;
-            row.push(rel_rmse(w, &back));
-            bits = 8.0 * q.stored_bytes() as f64 / n;
-        }
-        println!(
-            "| ours {f:?} | {bits:.4} | {:.5} | {:.5} | {:.5} |",
-            row[0], row[1], row[2]
-        );
+    for (f, name) in &ours {
+        eprintln!("quantizing {name}");
+        rows.push(ours_row(*f, name, &mats, &w)?);
     }
     for f in LlamaFormat::ALL {
-        let mut row = Vec::new();
-        let mut bits = 0.0;
-        for w in &mats {
-            let q = llama_quantize(w, ROWS, COLS, f).map_err(|e| e.to_string())?;
-            row.push(rel_rmse(w, &q.dequantized));
-            bits = 8.0 * q.stored_bytes as f64 / n;
+        eprintln!("quantizing {f:?}");
+        rows.push(candle_row(f, &mats, &wt)?);
+    }
+
+    let batches = [1usize, 32];
+    let xs: Vec<(Vec<f32>, Tensor)> = batches
+        .iter()
+        .map(|&b| {
+            let x = matrix(MatrixKind::Gaussian, b, N, 2);
+            let t = Tensor::from_slice(&x, (b, N), &dev).map_err(s)?;
+            Ok((x, t))
+        })
+        .collect::<Fallible<_>>()?;
+    let mut dense = [Vec::new(), Vec::new()];
+    for round in 0..a.rounds {
+        eprintln!("timing round {}/{}", round + 1, a.rounds);
+        for (bi, &batch) in batches.iter().enumerate() {
+            let (x, xt) = &xs[bi];
+            let reps = if batch == 1 { 20 } else { 3 };
+            let d = best_of(reps, || {
+                xt.matmul(&wt.t().map_err(s)?).map_err(s)?;
+                Ok(())
+            })?
+            .as_secs_f64();
+            dense[bi].push(d);
+            // a different order each round, so no format always follows the same one
+            let n = rows.len();
+            for k in 0..n {
+                // rotated by the round, and reversed every other round
+                let k = if round % 2 == 0 { k } else { n - 1 - k };
+                let Some(row) = rows.get_mut((k + round) % n) else {
+                    continue;
+                };
+                let t = best_of(reps, || {
+                    match &row.kernel {
+                        Kernel::Ours(p) => {
+                            matmul(x, batch, p).map_err(s)?;
+                        }
+                        Kernel::Candle(q) => {
+                            q.forward(xt).map_err(s)?;
+                        }
+                    }
+                    Ok(())
+                })?
+                .as_secs_f64();
+                row.samples[bi].push((t, t / d));
+            }
         }
+    }
+
+    println!(
+        "{} thread(s), {} interleaved rounds; ratios are medians of per-round time / dense f32 time.\n",
+        a.threads, a.rounds
+    );
+    println!(
+        "| format | bits/weight | rel. RMSE Gaussian | Student-t (3) | outlier rows | quantize GB/s | batch 1 ms | / dense | batch 32 ms | / dense |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| dense f32 (candle) | 32 | 0 | 0 | 0 | - | {:.3} | 1.00x | {:.2} | 1.00x |",
+        1e3 * median(dense[0].clone()),
+        1e3 * median(dense[1].clone())
+    );
+    for row in &rows {
+        let t = |i: usize| 1e3 * median(row.samples[i].iter().map(|p| p.0).collect());
+        let r = |i: usize| median(row.samples[i].iter().map(|p| p.1).collect());
         println!(
-            "| llama.cpp {f:?} (candle) | {bits:.4} | {:.5} | {:.5} | {:.5} |",
-            row[0], row[1], row[2]
+            "| {} | {:.3} | {:.5} | {:.5} | {:.5} | {:.2} | {:.3} | {:.2}x | {:.2} | {:.2}x |",
+            row.name,
+            row.bits,
+            row.rmse[0],
+            row.rmse[1],
+            row.rmse[2],
+            row.quantize_gbs,
+            t(0),
+            r(0),
+            t(1),
+            r(1)
         );
     }
     Ok(())

@@ -25,7 +25,9 @@ impl LlamaFormat {
     /// Every format compared.
     pub const ALL: [Self; 4] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K];
 
-    fn ggml(self) -> GgmlDType {
+    /// candle's type for the format.
+    #[must_use]
+    pub fn ggml(self) -> GgmlDType {
         match self {
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4_0 => GgmlDType::Q4_0,

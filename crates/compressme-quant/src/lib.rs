@@ -7,8 +7,10 @@
 //! of 32, 64 or 128 weights along a row), and `Int8Rows` for embedding tables.
 //! [`quantize`] refuses non-finite weights and empty shapes; [`Packed::dequantize_into`],
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
-//! computes `x W^T` one packed row at a time, never holding `W` in f32, on all cores, and
-//! [`reference::matmul`] is the scalar definition it is tested against.
+//! computes `x W^T` reading the packed bytes (AVX2 when the CPU has it, integer sums for
+//! the integer formats with activations rounded to 14 bits), never holding `W` in f32, on
+//! all cores; [`reference::matmul`] is the exact definition it is held to, within
+//! [`error_bound`].
 //!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
 //! benches put llama.cpp's formats beside these), and not a file format (the artifact
@@ -28,7 +30,7 @@
 //! # Ok::<(), compressme_quant::Error>(())
 //! ```
 #![deny(missing_docs)]
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod format;
 mod kernels;
@@ -36,7 +38,7 @@ pub mod reference;
 pub mod synthetic;
 
 pub use format::{Format, GroupSize, NF4_CODEBOOK, Packed, quantize};
-pub use kernels::matmul;
+pub use kernels::{Backend, NF4_I8, error_bound, matmul, matmul_with};
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

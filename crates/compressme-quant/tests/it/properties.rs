@@ -1,6 +1,9 @@
 //! Exact properties, the fast kernel against the scalar reference, and bad input.
 
-use compressme_quant::{Error, Format, GroupSize, Packed, matmul, quantize, reference};
+use compressme_quant::{
+    Backend, Error, Format, GroupSize, Packed, error_bound, matmul, matmul_with, quantize,
+    reference,
+};
 use proptest::prelude::*;
 
 use crate::{Rng, all_formats, matrix};
@@ -37,6 +40,19 @@ fn weights(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The largest NF4 scale of row `r` (0 for other formats): what the kernels' rounded
+/// codebook can be off by, per unit of code.
+fn nf4_scale(q: &Packed, r: usize) -> f32 {
+    let per_row = match q.format() {
+        Format::Nf4 => 1,
+        Format::Nf4Block(g) => q.cols().div_ceil(g.get()),
+        _ => return 0.0,
+    };
+    q.scales()[r * per_row..(r + 1) * per_row]
+        .iter()
+        .fold(0f32, |m, v| m.max(*v))
+}
+
 fn dequantized(q: &Packed) -> Vec<f32> {
     let mut out = vec![0f32; q.rows() * q.cols()];
     q.dequantize_into(&mut out).unwrap();
@@ -56,21 +72,31 @@ proptest! {
         prop_assert_eq!(dequantized(&q2), d);
     }
 
-    /// The kernel that reads packed rows matches dequantize-then-multiply.
+    /// The kernels that read packed rows stay within the stated bound of
+    /// dequantize-then-multiply, on every backend; the SIMD and portable backends agree.
     #[test]
-    fn matmul_matches_reference((format, rows, cols, seed) in case(), batch in 0usize..=4) {
+    fn matmul_matches_reference((format, rows, cols, seed) in case(), batch in 0usize..=6) {
         let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
         let x = weights(batch, cols, seed ^ 0xabc);
         let fast = matmul(&x, batch, &q).unwrap();
+        let port = matmul_with(Backend::Portable, &x, batch, &q).unwrap();
         let slow = reference::matmul(&x, batch, &q).unwrap();
         prop_assert_eq!(fast.len(), batch * rows);
+        prop_assert_eq!(port.len(), batch * rows);
         let w = dequantized(&q);
         for b in 0..batch {
+            let xb = &x[b * cols..(b + 1) * cols];
             for r in 0..rows {
-                // f32 sums in another order: bound the difference by the sum of magnitudes
-                let mag: f32 = (0..cols).map(|i| (x[b * cols + i] * w[r * cols + i]).abs()).sum();
-                let (f, s) = (fast[b * rows + r], slow[b * rows + r]);
-                prop_assert!((f - s).abs() <= 1e-5 * mag + 1e-30, "[{b}, {r}]: {f} vs {s}");
+                let wr = &w[r * cols..(r + 1) * cols];
+                let nf4 = nf4_scale(&q, r);
+                let bound = error_bound(xb, wr, nf4);
+                let (f, p, s) = (fast[b * rows + r], port[b * rows + r], slow[b * rows + r]);
+                prop_assert!((f - s).abs() <= bound, "[{b}, {r}]: {f} vs {s}, bound {bound}");
+                prop_assert!((p - s).abs() <= bound, "[{b}, {r}]: {p} vs {s}, bound {bound}");
+                // same integer sums, f32 in another order
+                let mag: f32 = xb.iter().zip(wr).map(|(a, c)| (a * c).abs()).sum::<f32>()
+                    + xb.iter().map(|a| a.abs()).sum::<f32>() * wr.iter().fold(0f32, |m, v| m.max(v.abs()));
+                prop_assert!((f - p).abs() <= 1e-5 * mag + 1e-30, "[{b}, {r}]: {f} vs {p}");
             }
         }
     }
@@ -217,4 +243,55 @@ fn wire_tags_are_stable() {
     .map(|f| f.tag())
     .collect();
     assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7]);
+}
+
+/// Rows long enough to need several `i32` flushes, at the largest codes and activations:
+/// no lane overflows, on either backend.
+#[test]
+fn long_rows_at_the_extremes_do_not_overflow() {
+    // 4096: packed codes read directly at small batches; 4100: decoded rows
+    for (format, cols) in all_formats()
+        .into_iter()
+        .flat_map(|f| [(f, 4096), (f, 4100)])
+    {
+        let rows = 3;
+        for sign in [1.0f32, -1.0] {
+            let w = vec![sign; rows * cols];
+            let q = quantize(&w, rows, cols, format).unwrap();
+            for (backend, batch) in [Backend::Auto, Backend::Portable]
+                .into_iter()
+                .flat_map(|b| [(b, 2), (b, 6)])
+            {
+                let x = vec![1.0f32; batch * cols];
+                let y = matmul_with(backend, &x, batch, &q).unwrap();
+                for v in y {
+                    let want = sign * cols as f32;
+                    assert!(
+                        (v - want).abs() <= 1e-3 * cols as f32,
+                        "{format:?}: {v} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A NaN or infinite activation reaches the outputs of its own row, as it would in a
+/// dense multiplication, and no other row.
+#[test]
+fn non_finite_activations_propagate_to_their_own_row() {
+    let (rows, cols) = (4, 70);
+    let w = matrix("gaussian", rows, cols, 9);
+    for format in all_formats() {
+        let q = quantize(&w, rows, cols, format).unwrap();
+        let mut x = vec![0.5f32; 3 * cols];
+        x[cols + 3] = f32::NAN;
+        x[2 * cols + 5] = f32::INFINITY;
+        for backend in [Backend::Auto, Backend::Portable] {
+            let y = matmul_with(backend, &x, 3, &q).unwrap();
+            assert!(y[..rows].iter().all(|v| v.is_finite()), "{format:?}");
+            assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()), "{format:?}");
+            assert!(y[2 * rows..].iter().all(|v| !v.is_finite()), "{format:?}");
+        }
+    }
 }

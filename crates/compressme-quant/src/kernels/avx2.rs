@@ -1,0 +1,357 @@
+//! The kernels with AVX2, FMA and F16C intrinsics.
+//!
+//! Every `unsafe` here is one of two things: calling a `#[target_feature]` function, which
+//! a [`Token`] makes sound (it exists only after the CPU was seen to have the features),
+//! or an unaligned load or store, each inside a range the safe wrapper checked first.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m128i, __m256, __m256i, _mm_add_ps, _mm_and_si128, _mm_cvtss_f32, _mm_hadd_ps,
+    _mm_loadu_si128, _mm_set1_epi8, _mm_shuffle_epi8, _mm_srli_epi16, _mm_storeu_si128,
+    _mm256_add_epi32, _mm256_castps256_ps128, _mm256_castsi256_ps, _mm256_cvtepi8_epi16,
+    _mm256_cvtepi32_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_extractf128_ps,
+    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_set1_ps,
+    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32,
+};
+
+use super::{STEP, portable};
+
+/// Proof that the CPU has AVX2, FMA and F16C.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Token(());
+
+impl Token {
+    pub(super) fn detect() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Self(()))
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_hadd_ps(s, s);
+    _mm_cvtss_f32(_mm_hadd_ps(s, s))
+}
+
+/// A group's `i32` sums, scaled, into the f32 accumulators.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn flush<const N: usize>(f: &mut [__m256; N], acc: [__m256i; N], scale: f32) {
+    let sv = _mm256_set1_ps(scale);
+    for (fi, a) in f.iter_mut().zip(acc) {
+        *fi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sv, *fi);
+    }
+}
+
+pub(super) fn dot_groups<const N: usize>(
+    t: Token,
+    w: &[i8],
+    xs: [&[i16]; N],
+    group: usize,
+    scales: &[f32],
+) -> [f32; N] {
+    let kp = w.len();
+    let fits = group > 0
+        && group.is_multiple_of(STEP)
+        && kp.is_multiple_of(STEP)
+        && xs.iter().all(|x| x.len() >= kp);
+    if !fits {
+        return portable::dot_groups(w, xs, group, scales);
+    }
+    let _ = t;
+    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
+    // Common group sizes get a fixed trip count, so their inner loop unrolls.
+    unsafe {
+        match group {
+            32 => dot_groups_imp::<N, 2>(w, xs, group, scales),
+            64 => dot_groups_imp::<N, 4>(w, xs, group, scales),
+            128 => dot_groups_imp::<N, 8>(w, xs, group, scales),
+            _ => dot_groups_imp::<N, 0>(w, xs, group, scales),
+        }
+    }
+}
+
+/// One step of 16 weights for every `x` row.
+///
+/// # Safety
+/// AVX2 present; `c + 16 <= w.len()` and `c + 16 <= xs[i].len()`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn step<const N: usize>(w: &[i8], xs: &[&[i16]; N], c: usize, acc: &mut [__m256i; N]) {
+    // SAFETY: 16 bytes of `w` from c are in range (caller)
+    let wv = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(w.as_ptr().add(c).cast()) });
+    for (a, x) in acc.iter_mut().zip(xs) {
+        // SAFETY: 16 i16 of `x` from c are in range (caller)
+        let xv = unsafe { _mm256_loadu_si256(x.as_ptr().add(c).cast::<__m256i>()) };
+        *a = _mm256_add_epi32(*a, _mm256_madd_epi16(wv, xv));
+    }
+}
+
+/// `G` steps a group when it is not 0 (then `group == 16 * G`).
+///
+/// # Safety
+/// AVX2 and FMA present; `w.len()` and `group` multiples of 16; every `xs[i]` at least
+/// `w.len()` long.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_groups_imp<const N: usize, const G: usize>(
+    w: &[i8],
+    xs: [&[i16]; N],
+    group: usize,
+    scales: &[f32],
+) -> [f32; N] {
+    let kp = w.len();
+    let mut f = [_mm256_setzero_ps(); N];
+    let mut start = 0;
+    for &s in scales {
+        if start >= kp {
+            break;
+        }
+        let end = (start + group).min(kp);
+        let mut acc = [_mm256_setzero_si256(); N];
+        if G > 0 && end - start == G * STEP {
+            for k in 0..G {
+                // SAFETY: start + 16k + 16 <= end <= kp <= every length
+                unsafe { step(w, &xs, start + k * STEP, &mut acc) };
+            }
+        } else {
+            let mut c = start;
+            while c < end {
+                // SAFETY: c + 16 <= end <= kp <= every length (all multiples of 16)
+                unsafe { step(w, &xs, c, &mut acc) };
+                c += STEP;
+            }
+        }
+        flush(&mut f, acc, s);
+        start = end;
+    }
+    f.map(|v| hsum(v))
+}
+
+pub(super) fn dot_nibbles<const N: usize>(
+    t: Token,
+    codes: &[u8],
+    lut: &[i8; 16],
+    xs: [&[i16]; N],
+    group: usize,
+    scales: &[f32],
+) -> [f32; N] {
+    let kp = 2 * codes.len();
+    let fits = group > 0
+        && group.is_multiple_of(32)
+        && codes.len().is_multiple_of(16)
+        && xs.iter().all(|x| x.len() >= kp);
+    if !fits {
+        return portable::dot_nibbles(codes, lut, xs, group, scales);
+    }
+    let _ = t;
+    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
+    unsafe {
+        match group {
+            // measured: a fixed count helps one run a group, not two or four
+            32 => dot_nibbles_imp::<N, 1>(codes, lut, xs, group, scales),
+            _ => dot_nibbles_imp::<N, 0>(codes, lut, xs, group, scales),
+        }
+    }
+}
+
+/// One run of 16 code bytes (32 weights) for every `x` row.
+///
+/// # Safety
+/// AVX2 present; `16 * run + 16 <= codes.len()` and `32 * run + 32 <= xs[i].len()`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn run<const N: usize>(
+    codes: &[u8],
+    table: __m128i,
+    xs: &[&[i16]; N],
+    run: usize,
+    acc: &mut [__m256i; N],
+) {
+    // SAFETY: 16 bytes from 16 * run are in range (caller)
+    let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(16 * run).cast()) };
+    let low = _mm_set1_epi8(0x0f);
+    let lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(b, low)));
+    let hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+        table,
+        _mm_and_si128(_mm_srli_epi16::<4>(b), low),
+    ));
+    for (a, x) in acc.iter_mut().zip(xs) {
+        // SAFETY: 32 i16 from 32 * run are in range (caller)
+        let (x0, x1) = unsafe {
+            let p = x.as_ptr().add(32 * run);
+            (
+                _mm256_loadu_si256(p.cast::<__m256i>()),
+                _mm256_loadu_si256(p.add(16).cast::<__m256i>()),
+            )
+        };
+        *a = _mm256_add_epi32(
+            *a,
+            _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)),
+        );
+    }
+}
+
+/// `R` runs a group when it is not 0 (then `group == 32 * R`).
+///
+/// # Safety
+/// AVX2 and FMA present; `codes.len()` a multiple of 16, `group` of 32; every `xs[i]` at
+/// least `2 * codes.len()` long.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_nibbles_imp<const N: usize, const R: usize>(
+    codes: &[u8],
+    lut: &[i8; 16],
+    xs: [&[i16]; N],
+    group: usize,
+    scales: &[f32],
+) -> [f32; N] {
+    let runs = codes.len() / 16;
+    let per_group = group / 32;
+    // SAFETY: `lut` is 16 bytes
+    let table = unsafe { _mm_loadu_si128(lut.as_ptr().cast()) };
+    let mut f = [_mm256_setzero_ps(); N];
+    let mut start = 0;
+    for &s in scales {
+        if start >= runs {
+            break;
+        }
+        let end = (start + per_group).min(runs);
+        let mut acc = [_mm256_setzero_si256(); N];
+        if R > 0 && end - start == R {
+            for k in 0..R {
+                // SAFETY: start + k < end <= runs: in range of `codes` and every `x`
+                unsafe { run(codes, table, &xs, start + k, &mut acc) };
+            }
+        } else {
+            for k in start..end {
+                // SAFETY: k < runs: in range of `codes` and every `x`
+                unsafe { run(codes, table, &xs, k, &mut acc) };
+            }
+        }
+        flush(&mut f, acc, s);
+        start = end;
+    }
+    f.map(|v| hsum(v))
+}
+
+/// `Σ a_j b_j` in f32.
+pub(super) fn dot_f32(t: Token, a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let body = n / 8 * 8;
+    let _ = t;
+    // SAFETY: the token proves AVX2 and FMA; the loop reads `body <= n` values of each.
+    let head = unsafe { dot_f32_imp(a, b, body) };
+    head + portable::dot_f32(a.get(body..n).unwrap_or(&[]), b.get(body..n).unwrap_or(&[]))
+}
+
+/// # Safety
+/// AVX2 and FMA present; `body` a multiple of 8, at most both lengths.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f32_imp(a: &[f32], b: &[f32], body: usize) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut j = 0;
+    while j < body {
+        // SAFETY: j + 8 <= body <= both lengths
+        let (x, y) = unsafe {
+            (
+                _mm256_loadu_ps(a.as_ptr().add(j)),
+                _mm256_loadu_ps(b.as_ptr().add(j)),
+            )
+        };
+        acc = _mm256_fmadd_ps(x, y, acc);
+        j += 8;
+    }
+    hsum(acc)
+}
+
+pub(super) fn decode_nibbles(t: Token, codes: &[u8], lut: &[i8; 16], out: &mut [i8]) {
+    // whole 16-byte chunks whose 32 outputs fit; the rest the portable way
+    let chunks = codes.len().min(out.len() / 2) / 16;
+    let _ = t;
+    // SAFETY: the token proves AVX2 (SSSE3 included); the loop stays within `chunks`
+    // whole chunks of both slices.
+    unsafe { decode_nibbles_imp(codes, lut, out, chunks) };
+    let done = chunks * 16;
+    if let (Some(c), Some(o)) = (codes.get(done..), out.get_mut(2 * done..)) {
+        portable::decode_nibbles(c, lut, o);
+    }
+}
+
+/// # Safety
+/// AVX2 present; `codes.len() >= 16 * chunks` and `out.len() >= 32 * chunks`.
+#[target_feature(enable = "avx2")]
+unsafe fn decode_nibbles_imp(codes: &[u8], lut: &[i8; 16], out: &mut [i8], chunks: usize) {
+    // SAFETY: `lut` is 16 bytes
+    let table = unsafe { _mm_loadu_si128(lut.as_ptr().cast()) };
+    let low = _mm_set1_epi8(0x0f);
+    for i in 0..chunks {
+        // SAFETY: i < chunks: bytes 16i..16i+16 of `codes` are in range
+        let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(16 * i).cast()) };
+        let lo = _mm_and_si128(b, low);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), low);
+        // nibble order: the low nibbles, then the high ones
+        let first = _mm_shuffle_epi8(table, lo);
+        let second = _mm_shuffle_epi8(table, hi);
+        // SAFETY: i < chunks: outputs 32i..32i+32 are in range
+        unsafe {
+            _mm_storeu_si128(out.as_mut_ptr().add(32 * i).cast(), first);
+            _mm_storeu_si128(out.as_mut_ptr().add(32 * i + 16).cast(), second);
+        }
+    }
+}
+
+pub(super) fn dot_half<const N: usize>(
+    t: Token,
+    codes: &[u8],
+    bf16: bool,
+    xs: [&[f32]; N],
+) -> [f32; N] {
+    let cols = codes.len() / 2;
+    if !xs.iter().all(|x| x.len() >= cols) {
+        return portable::dot_half(codes, bf16, xs);
+    }
+    let body = cols / 8 * 8;
+    let _ = t;
+    // SAFETY: the token proves AVX2, FMA and F16C; the loop reads `body <= cols` values
+    // of each `x` and `2 * body` bytes of `codes`.
+    let mut out = unsafe { dot_half_imp(codes, bf16, xs, body) };
+    if let Some(rest) = codes.get(2 * body..) {
+        let tails = xs.map(|x| x.get(body..).unwrap_or(&[]));
+        for (o, v) in out.iter_mut().zip(portable::dot_half(rest, bf16, tails)) {
+            *o += v;
+        }
+    }
+    out
+}
+
+/// # Safety
+/// AVX2, FMA and F16C present; `body` a multiple of 8 with `codes.len() >= 2 * body` and
+/// every `xs[i].len() >= body`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_half_imp<const N: usize>(
+    codes: &[u8],
+    bf16: bool,
+    xs: [&[f32]; N],
+    body: usize,
+) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut j = 0;
+    while j < body {
+        // SAFETY: j + 8 <= body: bytes 2j..2j+16 of `codes` are in range
+        let h = unsafe { _mm_loadu_si128(codes.as_ptr().add(2 * j).cast()) };
+        let wv = if bf16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        };
+        for (a, x) in acc.iter_mut().zip(xs) {
+            // SAFETY: j + 8 <= body <= x.len()
+            let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(j)) };
+            *a = _mm256_fmadd_ps(wv, xv, *a);
+        }
+        j += 8;
+    }
+    acc.map(|v| hsum(v))
+}

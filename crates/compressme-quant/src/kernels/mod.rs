@@ -1,0 +1,520 @@
+//! Matrix multiplication that reads packed weights directly.
+//!
+//! See [`matmul`] for the arithmetic and its error bound.
+
+use rayon::prelude::*;
+
+use crate::{Error, Format, Packed, Result};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod portable;
+
+/// Largest magnitude of a rounded activation: 14-bit fixed point.
+pub(crate) const X_MAX: f32 = 8191.0;
+/// Per-row formats flush their `i32` sums to f32 this often (no `i32` lane can overflow:
+/// 64 pairs of `127 · 8191` products).
+const FLUSH: usize = 1024;
+/// Weights per step of the integer kernel.
+const STEP: usize = 16;
+/// Weights per 16 bytes of 4-bit codes: the unit of nibble order.
+const NIBBLE_BLOCK: usize = 32;
+/// Output rows a task takes.
+const ROWS_PER_TASK: usize = 16;
+
+/// The NF4 codebook times 127, rounded: the kernels' view of NF4 codes.
+pub const NF4_I8: [i8; 16] = [
+    -127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127,
+];
+/// INT4 codes are their own values.
+const INT4_I8: [i8; 16] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+
+/// Which implementation runs the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backend {
+    /// The fastest the CPU supports (AVX2 + FMA + F16C on x86-64 when present).
+    Auto,
+    /// Plain Rust, the same arithmetic: what runs on CPUs without AVX2, kept selectable
+    /// so tests can hold the SIMD path to it.
+    Portable,
+}
+
+/// The instruction set a call runs with.
+#[derive(Debug, Clone, Copy)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx2(avx2::Token),
+    Portable,
+}
+
+impl Isa {
+    fn pick(backend: Backend) -> Self {
+        match backend {
+            #[cfg(target_arch = "x86_64")]
+            Backend::Auto => avx2::Token::detect().map_or(Self::Portable, Self::Avx2),
+            _ => Self::Portable,
+        }
+    }
+
+    /// `Σ_g scales[g] · Σ_{j in g} w_j x_j` for each `x` row (`N` of them).
+    fn dot_groups<const N: usize>(
+        self,
+        w: &[i8],
+        xs: [&[i16]; N],
+        group: usize,
+        scales: &[f32],
+    ) -> [f32; N] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::dot_groups(t, w, xs, group, scales),
+            Self::Portable => portable::dot_groups(w, xs, group, scales),
+        }
+    }
+
+    /// [`Isa::dot_groups`] reading 4-bit codes (whole 16-byte runs) through `lut` as it
+    /// goes, against `x` rows in nibble order.
+    fn dot_nibbles<const N: usize>(
+        self,
+        codes: &[u8],
+        lut: &[i8; 16],
+        xs: [&[i16]; N],
+        group: usize,
+        scales: &[f32],
+    ) -> [f32; N] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::dot_nibbles(t, codes, lut, xs, group, scales),
+            Self::Portable => portable::dot_nibbles(codes, lut, xs, group, scales),
+        }
+    }
+
+    /// 4-bit indices through `lut` into `out` in nibble order: for each run of 16 bytes,
+    /// their 16 low nibbles, then their 16 high nibbles (a shorter last run leaves gaps).
+    fn decode_nibbles(self, codes: &[u8], lut: &[i8; 16], out: &mut [i8]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::decode_nibbles(t, codes, lut, out),
+            Self::Portable => portable::decode_nibbles(codes, lut, out),
+        }
+    }
+
+    /// `Σ a_j b_j` in f32.
+    fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::dot_f32(t, a, b),
+            Self::Portable => portable::dot_f32(a, b),
+        }
+    }
+
+    /// `Σ_j half(codes_j) · x_j` for each `x` row; `bf16` picks the half format.
+    fn dot_half<const N: usize>(self, codes: &[u8], bf16: bool, xs: [&[f32]; N]) -> [f32; N] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::dot_half(t, codes, bf16, xs),
+            Self::Portable => portable::dot_half(codes, bf16, xs),
+        }
+    }
+}
+
+/// `x` must be `[batch, cols]`.
+pub(crate) fn check_input(x: &[f32], batch: usize, cols: usize) -> Result<()> {
+    if batch.checked_mul(cols) == Some(x.len()) {
+        return Ok(());
+    }
+    let need = batch.saturating_mul(cols);
+    Err(Error::Shape(format!(
+        "x has {} values, [{batch}, {cols}] needs {need}",
+        x.len()
+    )))
+}
+
+/// Dot product with eight independent accumulators, so the compiler can vectorize it.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for ((s, &p), &q) in acc.iter_mut().zip(x).zip(y) {
+            *s += p * q;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Rows of `x` rounded to 14-bit fixed point, each padded with zeros to `kp` values.
+///
+/// For the 4-bit formats each block of 32 values is stored in nibble order (the 16 even
+/// positions, then the 16 odd ones), the order in which a 16-byte run of packed codes
+/// yields its low and then its high nibbles, so decoding needs no interleave.
+struct FixedX {
+    kp: usize,
+    q: Vec<i16>,
+    /// One step per row: `x ≈ d · q`.
+    d: Vec<f32>,
+}
+
+/// Where value `j` of a row goes in nibble order.
+fn nibble_slot(j: usize) -> usize {
+    let (block, i) = (j / NIBBLE_BLOCK, j % NIBBLE_BLOCK);
+    block * NIBBLE_BLOCK + (i % 2) * (NIBBLE_BLOCK / 2) + i / 2
+}
+
+impl FixedX {
+    /// `None` when a value is not finite.
+    fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool) -> Option<Self> {
+        let pad = if nibbles { NIBBLE_BLOCK } else { STEP };
+        let kp = cols.div_ceil(pad) * pad;
+        let mut q = vec![0i16; batch * kp];
+        let mut d = Vec::with_capacity(batch);
+        for (row, out) in x.chunks_exact(cols).zip(q.chunks_exact_mut(kp)) {
+            if !row.iter().all(|v| v.is_finite()) {
+                return None;
+            }
+            let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            if absmax > 0.0 {
+                let inv = X_MAX / absmax;
+                let fixed = |v: f32| (v * inv).round().clamp(-X_MAX, X_MAX) as i16;
+                if nibbles {
+                    for (j, &v) in row.iter().enumerate() {
+                        if let Some(o) = out.get_mut(nibble_slot(j)) {
+                            *o = fixed(v);
+                        }
+                    }
+                } else {
+                    for (o, &v) in out.iter_mut().zip(row) {
+                        *o = fixed(v);
+                    }
+                }
+            }
+            d.push(absmax / X_MAX);
+        }
+        Some(Self { kp, q, d })
+    }
+
+    fn row(&self, b: usize) -> &[i16] {
+        self.q.get(b * self.kp..(b + 1) * self.kp).unwrap_or(&[])
+    }
+
+    /// Per row, the sum of `q` over each group of `group` columns (for `Int4Block`'s
+    /// minimums), as f32 (exact: at most 128 · 8191 in magnitude).
+    fn group_sums(&self, group: usize, groups: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.d.len() * groups);
+        for b in 0..self.d.len() {
+            let row = self.row(b);
+            out.extend(
+                row.chunks(group)
+                    .take(groups)
+                    .map(|c| c.iter().map(|&v| i32::from(v)).sum::<i32>() as f32),
+            );
+        }
+        out
+    }
+}
+
+/// A weight row in the kernels' integer view: `w_j = scales[j / group] · codes[j]`
+/// (+ `mins[j / group]`).
+struct IntRow {
+    codes: Vec<i8>,
+    group: usize,
+    scales: Vec<f32>,
+    /// The table of a 4-bit format.
+    lut: Option<&'static [i8; 16]>,
+}
+
+impl IntRow {
+    fn new(kp: usize) -> Self {
+        Self {
+            codes: vec![0; kp],
+            group: FLUSH,
+            scales: Vec::new(),
+            lut: None,
+        }
+    }
+
+    /// Takes row `r` of `w` (an integer format): its scales, and its codes unless `decode`
+    /// is false (a 4-bit row then stays packed for [`Isa::dot_nibbles`]).
+    fn load(&mut self, isa: Isa, w: &Packed, r: usize, decode: bool) {
+        let cols = w.cols();
+        let rb = w.format().row_code_bytes(cols);
+        let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+        let kp = self.codes.len();
+        self.scales.clear();
+        let per_row = |s: f32, scales: &mut Vec<f32>| {
+            scales.extend(std::iter::repeat_n(s, kp.div_ceil(FLUSH)));
+        };
+        match w.format() {
+            Format::Int8 | Format::Int8Rows => {
+                for (o, &c) in self.codes.iter_mut().zip(codes) {
+                    *o = c as i8;
+                }
+                self.group = FLUSH;
+                per_row(w.scales().get(r).copied().unwrap_or(0.0), &mut self.scales);
+            }
+            Format::Nf4 => {
+                self.lut = Some(&NF4_I8);
+                if decode {
+                    isa.decode_nibbles(codes, &NF4_I8, &mut self.codes);
+                }
+                self.group = FLUSH;
+                let s = w.scales().get(r).copied().unwrap_or(0.0) / 127.0;
+                per_row(s, &mut self.scales);
+            }
+            Format::Nf4Block(g) | Format::Int4Block(g) => {
+                let nf4 = matches!(w.format(), Format::Nf4Block(_));
+                let lut = if nf4 { &NF4_I8 } else { &INT4_I8 };
+                self.lut = Some(lut);
+                if decode {
+                    isa.decode_nibbles(codes, lut, &mut self.codes);
+                }
+                self.group = g.get();
+                let ng = cols.div_ceil(g.get());
+                let s = w.scales().get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+                let k = if nf4 { 1.0 / 127.0 } else { 1.0 };
+                self.scales.extend(s.iter().map(|v| v * k));
+            }
+            Format::F16 | Format::Bf16 => {}
+        }
+        // Positions past the row's codes (padding nibbles, or codes left from the previous
+        // row) meet zeros in x, so they add nothing.
+    }
+}
+
+/// `y = x W^T` for `x: [batch, cols]` and packed `W: [rows, cols]`, giving `[batch, rows]`.
+///
+/// Reads the packed bytes directly; `W` is never held in f32. Output rows are spread over
+/// all cores (rayon).
+///
+/// # Arithmetic
+/// - **Integer formats** (`Int8`, `Int8Rows`, `Nf4`, `Nf4Block`, `Int4Block`): each row of
+///   `x` is rounded once to 14-bit fixed point (`x ≈ d · q`, `d = absmax / 8191`, `q` an
+///   `i16`). Each weight row is read as small integer codes `c` with float scales per group
+///   (`w = s_g · c`, plus the group minimum for `Int4Block`): INT8 codes as they are stored,
+///   4-bit indices through a 16-entry table (for NF4 the codebook times 127, rounded, as
+///   llama.cpp's IQ4_NL does). Products `c · q` are summed exactly in `i32` over each group
+///   (16 at a time with AVX2's `vpmaddwd`), then scaled and accumulated in f32. Up to four
+///   rows of `x` share each decoded weight: at batch 4 or less 4-bit codes are expanded in
+///   registers as they are read; larger batches decode each weight row once into a small
+///   reused buffer (one per thread) and run every row of `x` against it.
+/// - **`F16` and `Bf16`** are converted to f32 eight at a time (F16C) and multiplied in
+///   f32: they store less, they do not compute less.
+/// - A row of `x` holding NaN or infinity is multiplied in f32 against each decoded row,
+///   so non-finite values propagate as a dense multiplication would.
+///
+/// The integer path differs from [`crate::reference::matmul`] (exact dequantize-then-f64)
+/// by the rounding of `x` (at most `absmax(x_b) / 16382` a value) and, for NF4, of the
+/// codebook (at most `0.47 / 127` of the scale a weight); [`error_bound`] gives the bound
+/// for one output, and the tests hold the kernels to it.
+///
+/// AVX2 + FMA + F16C is used when the CPU has it (checked at run time); otherwise a
+/// portable version does the same arithmetic.
+///
+/// # Errors
+/// [`Error::Shape`] when `x` is not `batch * cols` long.
+pub fn matmul(x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
+    matmul_with(Backend::Auto, x, batch, w)
+}
+
+/// [`matmul`] on a chosen [`Backend`].
+///
+/// # Errors
+/// [`Error::Shape`] when `x` is not `batch * cols` long.
+pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
+    let (rows, cols) = (w.rows(), w.cols());
+    check_input(x, batch, cols)?;
+    let isa = Isa::pick(backend);
+    // [rows, batch] first: each task owns whole output rows
+    let mut yt = vec![0f32; rows * batch];
+    if batch == 0 {
+        return Ok(yt);
+    }
+    let nibbles = is_nibble(w.format());
+    let fixed = match w.format() {
+        Format::F16 | Format::Bf16 => None,
+        _ => FixedX::new(x, batch, cols, nibbles),
+    };
+    match (w.format(), fixed) {
+        (Format::F16 | Format::Bf16, _) => half_rows(isa, x, batch, w, &mut yt),
+        (_, Some(fx)) => int_rows(isa, &fx, batch, w, &mut yt),
+        (_, None) => f32_rows(x, batch, w, &mut yt),
+    }
+    let mut y = vec![0f32; batch * rows];
+    for (r, col) in yt.chunks_exact(batch).enumerate() {
+        for (b, &v) in col.iter().enumerate() {
+            if let Some(slot) = y.get_mut(b * rows + r) {
+                *slot = v;
+            }
+        }
+    }
+    Ok(y)
+}
+
+fn is_nibble(f: Format) -> bool {
+    matches!(f, Format::Nf4 | Format::Nf4Block(_) | Format::Int4Block(_))
+}
+
+/// Calls `f(first, rows, n)` for the batch four rows at a time; `rows` past `n` are empty.
+fn in_fours<'a, T: ?Sized + 'a>(
+    batch: usize,
+    row: impl Fn(usize) -> &'a T,
+    mut f: impl FnMut(usize, [&'a T; 4], usize),
+) {
+    let mut b = 0;
+    while b < batch {
+        let n = (batch - b).min(4);
+        f(b, [row(b), row(b + 1), row(b + 2), row(b + 3)], n);
+        b += n;
+    }
+}
+
+fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
+    let cols = w.cols();
+    let asym = matches!(w.format(), Format::Int4Block(_));
+    let (group, groups) = match w.format().group() {
+        Some(g) => (g, cols.div_ceil(g)),
+        None => (FLUSH, 0),
+    };
+    let xsums = if asym {
+        fx.group_sums(group, groups)
+    } else {
+        Vec::new()
+    };
+    // a small batch reads 4-bit codes straight from the packed row (whole 16-byte runs)
+    let rb = w.format().row_code_bytes(cols);
+    let fused = batch <= 4 && is_nibble(w.format()) && rb.is_multiple_of(16);
+    yt.par_chunks_mut(batch * ROWS_PER_TASK)
+        .enumerate()
+        .for_each_init(
+            || IntRow::new(fx.kp),
+            |row, (task, out)| {
+                for (i, yr) in out.chunks_exact_mut(batch).enumerate() {
+                    let r = task * ROWS_PER_TASK + i;
+                    row.load(isa, w, r, !fused);
+                    let packed = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+                    in_fours(
+                        batch,
+                        |b| fx.row(b),
+                        |b0, [a, b, c, d], n| {
+                            let (w8, g, s) = (&row.codes, row.group, &row.scales);
+                            let dots = match (fused, row.lut) {
+                                (true, Some(t)) => match n {
+                                    1 => pad(isa.dot_nibbles(packed, t, [a], g, s)),
+                                    2 => pad(isa.dot_nibbles(packed, t, [a, b], g, s)),
+                                    3 => pad(isa.dot_nibbles(packed, t, [a, b, c], g, s)),
+                                    _ => isa.dot_nibbles(packed, t, [a, b, c, d], g, s),
+                                },
+                                _ => match n {
+                                    1 => pad(isa.dot_groups(w8, [a], g, s)),
+                                    2 => pad(isa.dot_groups(w8, [a, b], g, s)),
+                                    3 => pad(isa.dot_groups(w8, [a, b, c], g, s)),
+                                    _ => isa.dot_groups(w8, [a, b, c, d], g, s),
+                                },
+                            };
+                            for (k, &v) in dots.iter().take(n).enumerate() {
+                                let b = b0 + k;
+                                let mut s = v;
+                                if asym {
+                                    let mins = w.mins().get(r * groups..(r + 1) * groups);
+                                    let sums = xsums.get(b * groups..(b + 1) * groups);
+                                    if let (Some(m), Some(sx)) = (mins, sums) {
+                                        s += isa.dot_f32(m, sx);
+                                    }
+                                }
+                                if let (Some(o), Some(&d)) = (yr.get_mut(b), fx.d.get(b)) {
+                                    *o = s * d;
+                                }
+                            }
+                        },
+                    );
+                }
+            },
+        );
+}
+
+fn pad<const N: usize>(v: [f32; N]) -> [f32; 4] {
+    let mut out = [0f32; 4];
+    for (o, x) in out.iter_mut().zip(v) {
+        *o = x;
+    }
+    out
+}
+
+fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
+    let cols = w.cols();
+    let bf16 = matches!(w.format(), Format::Bf16);
+    let rb = w.format().row_code_bytes(cols);
+    yt.par_chunks_mut(batch).enumerate().for_each(|(r, yr)| {
+        let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+        in_fours(
+            batch,
+            |b| x.get(b * cols..(b + 1) * cols).unwrap_or(&[]),
+            |b0, [a, b, c, d], n| {
+                let dots = match n {
+                    1 => pad(isa.dot_half(codes, bf16, [a])),
+                    2 => pad(isa.dot_half(codes, bf16, [a, b])),
+                    3 => pad(isa.dot_half(codes, bf16, [a, b, c])),
+                    _ => isa.dot_half(codes, bf16, [a, b, c, d]),
+                };
+                for (o, v) in yr.iter_mut().skip(b0).zip(dots.iter().take(n)) {
+                    *o = *v;
+                }
+            },
+        );
+    });
+}
+
+/// Non-finite activations: decode each row to f32 and multiply in f32.
+fn f32_rows(x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
+    let cols = w.cols();
+    yt.par_chunks_mut(batch).enumerate().for_each_init(
+        || vec![0f32; cols],
+        |buf, (r, out)| {
+            w.decode_row(r, buf);
+            for (o, xb) in out.iter_mut().zip(x.chunks_exact(cols)) {
+                *o = dot(xb, buf);
+            }
+        },
+    );
+}
+
+/// How far [`matmul`] may be from [`crate::reference::matmul`] for one output: the
+/// rounding of `x` to 14 bits, the NF4 codebook rounded to 1/127 steps, and f32
+/// accumulation (`x` is one row of activations, `w` the dequantized weight row, `scale`
+/// the largest NF4 scale of the row, 0 for other formats).
+#[must_use]
+pub fn error_bound(x: &[f32], w: &[f32], nf4_scale: f32) -> f32 {
+    let absmax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let dx = absmax / (2.0 * X_MAX);
+    let dw = nf4_scale * 0.4663 / 127.0;
+    let (mut sw, mut sx, mut mag) = (0f64, 0f64, 0f64);
+    for (&a, &b) in x.iter().zip(w) {
+        sw += f64::from(b.abs());
+        sx += f64::from(a.abs());
+        mag += f64::from((a * b).abs());
+    }
+    let n = x.len() as f64;
+    let wmax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // f32 sums: INT4's step and minimum terms may each be as large as max|w| sum|x|
+    let big = mag + sx * f64::from(wmax);
+    (sw * f64::from(dx) * 1.01 + (sx + n * f64::from(dx)) * f64::from(dw) + big * 1e-5) as f32
+        + 1e-30
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nf4_i8_is_the_codebook_times_127_rounded() {
+        for (&c, &q) in crate::NF4_CODEBOOK.iter().zip(&NF4_I8) {
+            assert_eq!((c * 127.0).round() as i8, q);
+            assert!((c * 127.0 - f32::from(q)).abs() <= 0.4663);
+        }
+    }
+}
