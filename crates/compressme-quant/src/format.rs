@@ -124,6 +124,75 @@ impl Format {
     }
 }
 
+impl std::fmt::Display for Format {
+    /// The names [`Format::parse`] reads: `f16`, `bf16`, `int8`, `nf4`, `nf4-g64`,
+    /// `int4-g64`, `int8-rows`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::F16 => f.write_str("f16"),
+            Self::Bf16 => f.write_str("bf16"),
+            Self::Int8 => f.write_str("int8"),
+            Self::Nf4 => f.write_str("nf4"),
+            Self::Nf4Block(g) => write!(f, "nf4-g{}", g.get()),
+            Self::Int4Block(g) => write!(f, "int4-g{}", g.get()),
+            Self::Int8Rows => f.write_str("int8-rows"),
+        }
+    }
+}
+
+impl Format {
+    /// Every format name [`Format::parse`] accepts.
+    pub const NAMES: [&'static str; 11] = [
+        "f16",
+        "bf16",
+        "int8",
+        "nf4",
+        "nf4-g32",
+        "nf4-g64",
+        "nf4-g128",
+        "int4-g32",
+        "int4-g64",
+        "int4-g128",
+        "int8-rows",
+    ];
+
+    /// Reads a format name as [`Format`]'s `Display` writes it (case-insensitive).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming the accepted names.
+    pub fn parse(name: &str) -> Result<Self> {
+        let lower = name.trim().to_ascii_lowercase();
+        let group = |g: &str| match g {
+            "32" => Some(GroupSize::G32),
+            "64" => Some(GroupSize::G64),
+            "128" => Some(GroupSize::G128),
+            _ => None,
+        };
+        let f = match lower.as_str() {
+            "f16" | "fp16" => Some(Self::F16),
+            "bf16" => Some(Self::Bf16),
+            "int8" => Some(Self::Int8),
+            "nf4" => Some(Self::Nf4),
+            "int8-rows" => Some(Self::Int8Rows),
+            other => {
+                if let Some(g) = other.strip_prefix("nf4-g") {
+                    group(g).map(Self::Nf4Block)
+                } else if let Some(g) = other.strip_prefix("int4-g") {
+                    group(g).map(Self::Int4Block)
+                } else {
+                    None
+                }
+            }
+        };
+        f.ok_or_else(|| {
+            Error::Shape(format!(
+                "unknown format `{name}` (known: {})",
+                Self::NAMES.join(", ")
+            ))
+        })
+    }
+}
+
 /// A `[rows, cols]` weight matrix in one format.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
@@ -467,6 +536,27 @@ impl Packed {
         }
         for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
             self.decode_row(r, row);
+        }
+        Ok(())
+    }
+
+    /// Dequantizes the rows from `start` on into `out` (a whole number of rows): a tile of
+    /// the matrix into a caller's reused buffer.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `out` is not a whole number of rows or runs past the end.
+    pub fn dequantize_range_into(&self, start: usize, out: &mut [f32]) -> Result<()> {
+        let n = out.len() / self.cols;
+        if !out.len().is_multiple_of(self.cols) || start.saturating_add(n) > self.rows {
+            return Err(Error::Shape(format!(
+                "{} values from row {start} are not whole rows of [{}, {}]",
+                out.len(),
+                self.rows,
+                self.cols
+            )));
+        }
+        for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.decode_row(start + i, row);
         }
         Ok(())
     }

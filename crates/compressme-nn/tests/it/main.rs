@@ -1,5 +1,6 @@
 //! Integration tests for compressme-nn (one binary, topic modules).
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
+mod bert;
 mod embedding;
 mod real_checkpoint;

@@ -8,12 +8,17 @@ use candle_core::{DType, Device, Module, Tensor};
 use compressme_nn::{PackOptions, PackedFrozenEmbedding};
 
 fn minilm() -> Option<PathBuf> {
+    minilm_dir().map(|d| d.join("model.safetensors"))
+}
+
+/// The MiniLM folder, or `None` (with a printed reason) when it is absent and not required.
+pub(crate) fn minilm_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("COMPRESSME_MINILM")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../cache/minilm"));
     let path = dir.join("model.safetensors");
     if path.exists() {
-        return Some(path);
+        return Some(dir);
     }
     assert!(
         std::env::var_os("COMPRESSME_REQUIRE_FIXTURES").is_none(),

@@ -1,0 +1,280 @@
+//! `Linear`: `y = x W^T + b` with `W` dense or packed in a `compressme-quant` format.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use compressme_quant::{Format, Packed};
+
+use crate::{Error, Hooks, Result, Storage};
+
+/// Rows of `x` up to which a packed layer runs the packed kernels directly; above it, the
+/// weight is dequantized tile by tile into a reused scratch buffer and multiplied with
+/// candle's dense kernel (measured on MiniLM's shapes: docs/BENCHMARKS.md).
+pub const DIRECT_MAX_ROWS: usize = 32;
+/// Weights a dequantized tile holds at most (4 MiB of f32): the bound on the scratch.
+pub const TILE_WEIGHTS: usize = 1 << 20;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// How a [`Linear`]'s weight is held.
+#[derive(Debug, Clone)]
+pub enum Weight {
+    /// An f32 tensor `[out, in]` (trainable when it is a candle `Var`).
+    Dense(Tensor),
+    /// Packed codes and scales.
+    Packed(Arc<Packed>),
+}
+
+impl Weight {
+    /// Bytes kept.
+    #[must_use]
+    pub fn stored_bytes(&self) -> u64 {
+        match self {
+            Self::Dense(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
+            Self::Packed(p) => p.stored_bytes() as u64,
+        }
+    }
+
+    /// `dense f32` or the format's name.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Dense(t) => format!("dense {:?}", t.dtype()).to_lowercase(),
+            Self::Packed(p) => p.format().to_string(),
+        }
+    }
+}
+
+/// A linear layer with a stable dotted name, whose input an observer can see.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    name: String,
+    weight: Weight,
+    bias: Option<Tensor>,
+    out_features: usize,
+    in_features: usize,
+    hooks: Hooks,
+}
+
+impl Linear {
+    /// A dense layer from `weight` `[out, in]` (f32, f16 or bf16; kept as f32) and an
+    /// optional `bias` `[out]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a weight that is not 2-D or a bias of the wrong length.
+    pub fn new(name: &str, weight: Tensor, bias: Option<Tensor>, hooks: Hooks) -> Result<Self> {
+        let (out_features, in_features) = weight
+            .dims2()
+            .map_err(|_| Error::Shape(format!("{name}: weight {:?} is not 2-D", weight.dims())))?;
+        if let Some(b) = &bias
+            && b.dims() != [out_features]
+        {
+            return Err(Error::Shape(format!(
+                "{name}: bias {:?} does not match {out_features} outputs",
+                b.dims()
+            )));
+        }
+        let weight = if weight.dtype() == DType::F32 {
+            weight
+        } else {
+            weight.to_dtype(DType::F32)?
+        };
+        let bias = bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        Ok(Self {
+            name: name.to_string(),
+            weight: Weight::Dense(weight),
+            bias,
+            out_features,
+            in_features,
+            hooks,
+        })
+    }
+
+    /// The dotted name (the checkpoint's, without `.weight`).
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `(out, in)`.
+    #[must_use]
+    pub fn shape(&self) -> (usize, usize) {
+        (self.out_features, self.in_features)
+    }
+
+    /// The weight storage.
+    #[must_use]
+    pub fn weight(&self) -> &Weight {
+        &self.weight
+    }
+
+    /// The bias, if any.
+    #[must_use]
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Bytes kept: the weight as stored, plus the bias.
+    #[must_use]
+    pub fn stored_bytes(&self) -> u64 {
+        self.weight.stored_bytes() + self.bias_bytes()
+    }
+
+    /// Bytes of the same layer in f32.
+    #[must_use]
+    pub fn dense_bytes(&self) -> u64 {
+        (4 * self.out_features * self.in_features) as u64 + self.bias_bytes()
+    }
+
+    fn bias_bytes(&self) -> u64 {
+        self.bias
+            .as_ref()
+            .map_or(0, |b| (4 * b.elem_count()) as u64)
+    }
+
+    /// The weight in f32, row-major: exact for a dense layer, dequantized for a packed
+    /// one (re-quantizing a packed layer starts from these values).
+    ///
+    /// # Errors
+    /// candle errors reading a dense weight.
+    pub fn weight_f32(&self) -> Result<Vec<f32>> {
+        match &self.weight {
+            Weight::Dense(t) => Ok(t.flatten_all()?.to_vec1::<f32>()?),
+            Weight::Packed(p) => {
+                let mut out = vec![0f32; p.rows() * p.cols()];
+                p.dequantize_into(&mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// The weight `storage` asks for, built from this layer's weight; the layer is not
+    /// changed (see [`Linear::set_weight`]).
+    ///
+    /// # Errors
+    /// [`Error::BadStorage`] for lossless storage or `Int8Rows` (embedding-only), and
+    /// quantization errors (a non-finite weight).
+    pub fn prepare(&self, storage: &Storage, device: &Device) -> Result<Weight> {
+        match storage {
+            Storage::Dense => {
+                let w = self.weight_f32()?;
+                Ok(Weight::Dense(Tensor::from_vec(
+                    w,
+                    (self.out_features, self.in_features),
+                    device,
+                )?))
+            }
+            Storage::Quant(Format::Int8Rows) => Err(Error::BadStorage {
+                module: self.name.clone(),
+                reason: "int8-rows is for embedding tables; use int8".into(),
+            }),
+            Storage::Quant(f) => {
+                let w = self.weight_f32()?;
+                Ok(Weight::Packed(Arc::new(compressme_quant::quantize(
+                    &w,
+                    self.out_features,
+                    self.in_features,
+                    *f,
+                )?)))
+            }
+            Storage::Lossless(_) => Err(Error::BadStorage {
+                module: self.name.clone(),
+                reason: "lossless storage is for embedding tables".into(),
+            }),
+        }
+    }
+
+    /// Replaces the weight with one from [`Linear::prepare`] (same shape).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the shape differs.
+    pub fn set_weight(&mut self, weight: Weight) -> Result<()> {
+        let shape = match &weight {
+            Weight::Dense(t) => t.dims2()?,
+            Weight::Packed(p) => (p.rows(), p.cols()),
+        };
+        if shape != (self.out_features, self.in_features) {
+            return Err(Error::Shape(format!(
+                "{}: new weight {shape:?} for a {:?} layer",
+                self.name,
+                self.shape()
+            )));
+        }
+        self.weight = weight;
+        Ok(())
+    }
+
+    /// `x W^T + b` for `x` of shape `[..., in]`, after reporting `x` to the observer.
+    ///
+    /// # Errors
+    /// A shape mismatch, an observer's error, or candle's.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.hooks.observe(&self.name, x)?;
+        let y = match &self.weight {
+            Weight::Dense(w) => match x.dims() {
+                [b1, b2, _, _] => x.matmul(&w.broadcast_left((*b1, *b2))?.t()?)?,
+                [b, _, _] => x.matmul(&w.broadcast_left(*b)?.t()?)?,
+                _ => x.matmul(&w.t()?)?,
+            },
+            Weight::Packed(p) => packed_forward(&self.name, x, p)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// `x W^T` with packed `W`: the packed kernels for small batches, dequantized tiles and
+/// candle's dense kernel for large ones.
+fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
+    let dims = x.dims();
+    let cols = p.cols();
+    if dims.last() != Some(&cols) {
+        return Err(Error::Shape(format!(
+            "{name}: input {dims:?} does not end in {cols} features"
+        )));
+    }
+    let n = x.elem_count() / cols.max(1);
+    let mut out_shape = dims.to_vec();
+    if let Some(last) = out_shape.last_mut() {
+        *last = p.rows();
+    }
+    let x32 = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let y = if n <= DIRECT_MAX_ROWS {
+        let xv = x32.flatten_all()?.to_vec1::<f32>()?;
+        let y = compressme_quant::matmul(&xv, n, p)?;
+        Tensor::from_vec(y, out_shape, &Device::Cpu)?
+    } else {
+        tiled(&x32.reshape((n, cols))?, p)?.reshape(out_shape)?
+    };
+    Ok(y.to_dtype(x.dtype())?.to_device(x.device())?)
+}
+
+/// Dequantizes `p` a tile of rows at a time into this thread's scratch (at most
+/// [`TILE_WEIGHTS`] values) and multiplies each tile with candle's dense kernel.
+fn tiled(x: &Tensor, p: &Packed) -> Result<Tensor> {
+    let (rows, cols) = (p.rows(), p.cols());
+    let tile = (TILE_WEIGHTS / cols.max(1)).max(1);
+    SCRATCH.with(|s| -> Result<Tensor> {
+        let mut buf = s.borrow_mut();
+        let mut parts = Vec::with_capacity(rows.div_ceil(tile));
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + tile).min(rows);
+            buf.resize((r1 - r0) * cols, 0.0);
+            p.dequantize_range_into(r0, &mut buf)?;
+            let w = Tensor::from_slice(&buf, (r1 - r0, cols), &Device::Cpu)?;
+            parts.push(x.matmul(&w.t()?)?);
+            r0 = r1;
+        }
+        Ok(if parts.len() == 1 {
+            parts.swap_remove(0)
+        } else {
+            Tensor::cat(&parts, 1)?
+        })
+    })
+}
