@@ -3,4 +3,6 @@
 
 mod bert;
 mod embedding;
+mod layers;
+mod model;
 mod real_checkpoint;

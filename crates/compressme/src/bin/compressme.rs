@@ -22,6 +22,23 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Sentence embeddings of a BERT sentence-transformers folder (all-MiniLM-L6-v2 and
+    /// kin): one JSON array per input line on stdout, computed as sentence-transformers
+    /// does (truncation at max_seq_length, mean pooling over the attention mask, L2
+    /// normalisation). Empty lines are valid input.
+    Embed {
+        /// A local model folder: config.json, model.safetensors, tokenizer.json.
+        model_dir: PathBuf,
+        /// Read lines from this file instead of stdin.
+        #[arg(long)]
+        text: Option<PathBuf>,
+        /// Lines embedded together (padded to the longest of them).
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        /// Print metadata (model, lines, tokens, time) as one JSON object on stderr.
+        #[arg(long)]
+        json: bool,
+    },
     /// Pack a frozen embedding table losslessly, check every row, and time a batch lookup
     /// against plain `index_select` (default: all-MiniLM-L6-v2's word embeddings).
     LosslessDemo {
@@ -58,6 +75,12 @@ enum Command {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
+        Command::Embed {
+            model_dir,
+            text,
+            batch,
+            json,
+        } => embed(&model_dir, text.as_deref(), batch, json),
         Command::LosslessDemo {
             model,
             tensor,
@@ -92,6 +115,58 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn embed(model_dir: &Path, text: Option<&Path>, batch: usize, json: bool) -> Result<()> {
+    use std::io::{BufWriter, Read, Write};
+    let t0 = Instant::now();
+    let embedder = compressme::nn::SentenceEmbedder::from_dir(model_dir, &Device::Cpu)
+        .with_context(|| format!("loading {}", model_dir.display()))?;
+    let mut input = String::new();
+    match text {
+        Some(p) => {
+            input =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        }
+        None => {
+            std::io::stdin()
+                .read_to_string(&mut input)
+                .context("reading stdin")?;
+        }
+    }
+    // one embedding per line; a final newline does not start another line
+    let body = input.strip_suffix('\n').unwrap_or(&input);
+    let lines: Vec<&str> = if input.is_empty() {
+        Vec::new()
+    } else {
+        body.split('\n')
+            .map(|l| l.strip_suffix('\r').unwrap_or(l))
+            .collect()
+    };
+    let mut out = BufWriter::new(std::io::stdout().lock());
+    let mut tokens = 0usize;
+    for chunk in lines.chunks(batch.max(1)) {
+        let (_, _, mask) = embedder.tokenize(chunk)?;
+        tokens += mask.sum_all()?.to_scalar::<u32>()? as usize;
+        for e in embedder.embed(chunk)? {
+            serde_json::to_writer(&mut out, &e)?;
+            out.write_all(b"\n")?;
+        }
+    }
+    out.flush()?;
+    if json {
+        let meta = serde_json::json!({
+            "model_dir": model_dir.display().to_string(),
+            "lines": lines.len(),
+            "tokens": tokens,
+            "max_seq_length": embedder.max_len(),
+            "dim": embedder.bert().config().hidden_size,
+            "seconds": t0.elapsed().as_secs_f64(),
+            "tool": concat!("compressme ", env!("CARGO_PKG_VERSION")),
+        });
+        eprintln!("{meta}");
+    }
+    Ok(())
 }
 
 fn load_table(path: &Path, name: &str) -> Result<Tensor> {

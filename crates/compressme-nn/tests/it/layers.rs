@@ -1,0 +1,133 @@
+//! Packed `Linear` and `Embedding` against their dense definitions.
+
+use candle_core::{DType, Device, Tensor};
+use compressme_nn::{
+    DIRECT_MAX_ROWS, Embedding, Hooks, Linear, PackOptions, Storage, Table, Weight,
+};
+use compressme_quant::synthetic::{MatrixKind, matrix};
+use compressme_quant::{Format, GroupSize, error_bound};
+
+fn packed_linear(format: Format, out: usize, inp: usize) -> (Linear, Vec<f32>) {
+    let dev = Device::Cpu;
+    let w = Tensor::from_vec(matrix(MatrixKind::StudentT, out, inp, 3), (out, inp), &dev).unwrap();
+    let b = Tensor::from_vec(matrix(MatrixKind::Gaussian, 1, out, 4), out, &dev).unwrap();
+    let mut l = Linear::new("test.linear", w, Some(b), Hooks::default()).unwrap();
+    let new = l.prepare(&Storage::Quant(format), &dev).unwrap();
+    assert!(matches!(new, Weight::Packed(_)));
+    l.set_weight(new).unwrap();
+    let deq = l.weight_f32().unwrap();
+    (l, deq)
+}
+
+/// Small batches (packed kernels) and large ones (dequantized tiles and candle's kernel)
+/// both compute `x W^T + b` for the dequantized `W`, for 2-D and 3-D inputs.
+#[test]
+fn packed_linear_matches_its_dequantized_weights() {
+    let (out, inp) = (70, 96);
+    for format in [
+        Format::Int8,
+        Format::Nf4,
+        Format::Nf4Block(GroupSize::G32),
+        Format::Int4Block(GroupSize::G64),
+        Format::F16,
+    ] {
+        let (l, deq) = packed_linear(format, out, inp);
+        let dev = Device::Cpu;
+        let wt = Tensor::from_vec(deq.clone(), (out, inp), &dev).unwrap();
+        let bias = l.bias().unwrap().clone();
+        for rows in [1usize, 3, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 100] {
+            let xv = matrix(MatrixKind::Gaussian, rows, inp, rows as u64);
+            let x = Tensor::from_vec(xv.clone(), (rows, inp), &dev).unwrap();
+            let want = x
+                .matmul(&wt.t().unwrap())
+                .unwrap()
+                .broadcast_add(&bias)
+                .unwrap();
+            let got = l.forward(&x).unwrap();
+            let (w2, g2) = (
+                want.to_vec2::<f32>().unwrap(),
+                got.to_vec2::<f32>().unwrap(),
+            );
+            for (i, (a, b)) in w2.iter().zip(&g2).enumerate() {
+                for (r, (p, q)) in a.iter().zip(b).enumerate() {
+                    let nf4 = if matches!(format, Format::Nf4 | Format::Nf4Block(_)) {
+                        10.0
+                    } else {
+                        0.0
+                    };
+                    let bound = error_bound(
+                        &xv[i * inp..(i + 1) * inp],
+                        &deq[r * inp..(r + 1) * inp],
+                        nf4,
+                    ) + 1e-4;
+                    assert!(
+                        (p - q).abs() <= bound,
+                        "{format} rows {rows} [{i},{r}]: {p} vs {q}"
+                    );
+                }
+            }
+            // the same rows as [batch, seq, in]
+            if rows % 2 == 0 {
+                let x3 = x.reshape((2, rows / 2, inp)).unwrap();
+                let y3 = l.forward(&x3).unwrap();
+                assert_eq!(y3.dims(), &[2, rows / 2, out]);
+            }
+        }
+    }
+}
+
+#[test]
+fn embedding_storages_return_the_table_dtype_and_keep_zero_rows() {
+    let dev = Device::Cpu;
+    let mut v = matrix(MatrixKind::Gaussian, 50, 24, 5);
+    v[..24].fill(0.0); // a padding row
+    let table = Tensor::from_vec(v, (50, 24), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let ids = Tensor::new(&[[0u32, 7], [49, 0]], &dev).unwrap();
+    let mut e = Embedding::new("emb", table.clone(), Hooks::default()).unwrap();
+    let dense = e.forward(&ids).unwrap();
+    for storage in [
+        Storage::Lossless(PackOptions::default()),
+        Storage::Quant(Format::Int8Rows),
+    ] {
+        let t = e.prepare(&storage).unwrap();
+        let lossless = matches!(t, Table::Lossless(_));
+        let mut e2 = e.clone();
+        e2.set_table(t);
+        let got = e2.forward(&ids).unwrap();
+        assert_eq!(got.dtype(), DType::BF16);
+        assert_eq!(got.dims(), &[2, 2, 24]);
+        let g = got
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let d = dense
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(g[..24].iter().all(|x| x.to_bits() == 0), "padding row");
+        if lossless {
+            assert_eq!(g, d);
+        } else {
+            assert!(
+                g.iter()
+                    .zip(&d)
+                    .all(|(a, b)| (a - b).abs() <= 0.02 * b.abs().max(0.1))
+            );
+        }
+    }
+    assert!(e.prepare(&Storage::Quant(Format::Nf4)).is_err());
+    e.set_table(e.prepare(&Storage::Dense).unwrap());
+    assert!(matches!(
+        e.forward(&Tensor::new(&[50u32], &dev).unwrap()),
+        Err(_)
+    ));
+}
