@@ -217,11 +217,35 @@ fn quant_suite(c: &mut Criterion) {
     g.finish();
 }
 
+/// MiniLM forward passes: dense against a lossless word-embedding table and quantized
+/// linears, for 32 sequences of 128 tokens and for one 12-token sentence. Run with
+/// `RAYON_NUM_THREADS=1` for one thread against one thread.
+fn model_suite(c: &mut Criterion) {
+    let Some(variants) = compressme_benches::minilm_variants() else {
+        return;
+    };
+    let dev = Device::Cpu;
+    let mut g = c.benchmark_group("model");
+    g.sample_size(10);
+    for (b, t) in [(32usize, 128usize), (1, 12)] {
+        let ids = Tensor::from_vec(random_ids(b * t, 30522, 5), (b, t), &dev).expect("ids");
+        let mask = ids.ones_like().expect("mask");
+        for (name, m) in &variants {
+            g.bench_function(
+                BenchmarkId::new(format!("minilm/{name}"), format!("{b}x{t}")),
+                |bench| bench.iter(|| m.forward(black_box(&ids), None, &mask).expect("forward")),
+            );
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     shuffle_suite,
     blockstore_suite,
     embedding_suite,
-    quant_suite
+    quant_suite,
+    model_suite
 );
 criterion_main!(benches);

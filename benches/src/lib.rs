@@ -67,3 +67,59 @@ pub fn median_time(reps: usize, mut f: impl FnMut()) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
+
+/// The repository's `cache/minilm` folder (filled by `cargo xtask fixtures`).
+#[must_use]
+pub fn minilm_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../cache/minilm")
+}
+
+/// MiniLM as the model suite and `model-report` compare it: a lossless word-embedding
+/// table, every linear as INT8, NF4 per row, and NF4 group 64, then dense; `None` (with a
+/// message) when the checkpoint is absent.
+#[must_use]
+pub fn minilm_variants() -> Option<Vec<(&'static str, compressme_nn::Bert)>> {
+    use compressme_nn::{Bert, Model, ModuleKind, PackOptions, Storage};
+    use compressme_quant::{Format, GroupSize};
+    let dir = minilm_dir();
+    let Ok(dense) = Bert::from_dir(&dir, &candle_core::Device::Cpu) else {
+        eprintln!(
+            "benches: {} absent, skipping MiniLM (run `cargo xtask fixtures`)",
+            dir.display()
+        );
+        return None;
+    };
+    let linears: Vec<String> = dense
+        .modules()
+        .into_iter()
+        .filter(|m| m.kind == ModuleKind::Linear)
+        .map(|m| m.name)
+        .collect();
+    let with = |changes: Vec<(String, Storage)>| -> Option<Bert> {
+        let mut m = dense.clone();
+        m.set_storage(&changes).ok()?;
+        Some(m)
+    };
+    let all = |f: Format| -> Vec<(String, Storage)> {
+        linears
+            .iter()
+            .map(|n| (n.clone(), Storage::Quant(f)))
+            .collect()
+    };
+    Some(vec![
+        (
+            "lossless-embedding",
+            with(vec![(
+                "embeddings.word_embeddings".into(),
+                Storage::Lossless(PackOptions::default()),
+            )])?,
+        ),
+        ("int8-linears", with(all(Format::Int8))?),
+        ("nf4-linears", with(all(Format::Nf4))?),
+        (
+            "nf4-g64-linears",
+            with(all(Format::Nf4Block(GroupSize::G64)))?,
+        ),
+        ("dense", dense),
+    ])
+}

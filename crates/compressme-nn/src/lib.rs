@@ -1,16 +1,20 @@
-//! candle layers whose weights are stored packed or lossless-blocked.
+//! candle layers whose weights are stored dense, packed or lossless-blocked, and the
+//! models built from them.
 //!
-//! The first of them is [`PackedFrozenEmbedding`]: a frozen embedding table kept as
-//! independent, SHA-256-sealed, entropy-coded row blocks ([`compressme_blockstore`]). A
-//! lookup decodes only the blocks holding the requested rows and returns exactly the
-//! original bytes, in the shape `ids.shape + [dim]`, on the device the layer was moved to.
-//! Nothing is approximated: integer indexing and byte copies only.
+//! - [`Linear`]: `x W^T + b` with `W` dense or in any `compressme-quant` format (packed
+//!   kernels for small batches, dequantized tiles and candle's kernel for large ones).
+//! - [`Embedding`]: a table dense, INT8 per row, or a [`PackedFrozenEmbedding`]: a frozen
+//!   table kept as independent, SHA-256-sealed, entropy-coded row blocks
+//!   ([`compressme_blockstore`]) whose lookups return exactly the original bytes.
+//! - [`Hooks`] / [`Observer`]: modules report their inputs by the checkpoint's dotted names.
+//! - [`Model`]: named modules, output heads, all-or-nothing storage swaps, byte accounting.
+//! - Families: [`Bert`] and [`SentenceEmbedder`] (Hugging Face folders, offline),
+//!   [`CausalLm`] (defined here, trainable with [`AdamW`]).
+//! - [`llama_quantize`] puts llama.cpp's formats (through candle's GGUF types) beside ours.
 //!
-//! Main types: [`PackedFrozenEmbedding`], [`PackOptions`], [`PackingReport`], [`Error`];
-//! [`llama_quantize`] puts llama.cpp's formats (through candle's GGUF types) beside ours.
-//!
-//! What it is not (yet): the model families, activation hooks and quantized layers arrive
-//! with later work; this crate never defines file formats (see `compressme-artifact`).
+//! What it is not: a file format (see `compressme-artifact`), a profiler or planner (they
+//! observe these models through [`Hooks`]), or a general model zoo: other families arrive
+//! as the design's phase 2.
 //!
 //! # Example
 //! ```

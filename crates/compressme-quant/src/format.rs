@@ -207,6 +207,39 @@ pub struct Packed {
     mins: Vec<f32>,
 }
 
+/// For each byte, its low and high nibble's codebook values.
+const fn pair_table(values: [f32; 16]) -> [[f32; 2]; 256] {
+    let mut t = [[0.0; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        #[allow(clippy::indexing_slicing)] // i < 256 and both nibbles < 16
+        {
+            t[i] = [values[i & 15], values[i >> 4]];
+        }
+        i += 1;
+    }
+    t
+}
+
+const NF4_PAIRS: [[f32; 2]; 256] = pair_table(NF4_CODEBOOK);
+const INT4_PAIRS: [[f32; 2]; 256] = pair_table([
+    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+]);
+
+/// Two weights a byte (low nibble first) through `pairs`, then `f`; an odd `out` takes
+/// only the last byte's low nibble.
+fn decode_pairs(codes: &[u8], out: &mut [f32], pairs: &[[f32; 2]; 256], f: impl Fn(f32) -> f32) {
+    let half = out.len() / 2;
+    let mut chunks = out.chunks_exact_mut(2);
+    for (o, &b) in (&mut chunks).zip(codes) {
+        let [lo, hi] = pairs.get(usize::from(b)).copied().unwrap_or_default();
+        o.copy_from_slice(&[f(lo), f(hi)]);
+    }
+    if let (Some(last), Some(&b)) = (chunks.into_remainder().first_mut(), codes.get(half)) {
+        *last = f(pairs.get(usize::from(b)).map_or(0.0, |p| p[0]));
+    }
+}
+
 fn nf4_index(v: f32) -> u8 {
     // midpoints between neighbouring codebook values decide the nearest
     let mut idx = 0u8;
@@ -231,15 +264,6 @@ fn set_nibble(codes: &mut [u8], j: usize, q: u8) {
         } else {
             *b = (*b & 0x0f) | (q << 4);
         }
-    }
-}
-
-fn nibble(codes: &[u8], j: usize) -> u8 {
-    let b = codes.get(j / 2).copied().unwrap_or(0);
-    if j.is_multiple_of(2) {
-        b & 0x0f
-    } else {
-        b >> 4
     }
 }
 
@@ -464,23 +488,29 @@ impl Packed {
     pub(crate) fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.format.row_code_bytes(self.cols);
         let codes = self.codes.get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+        let out = out.get_mut(..self.cols).unwrap_or(&mut []);
         match self.format {
             Format::F16 => {
-                for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
-                    *o = f16::from_bits(u16::from_le_bytes([
-                        c.first().copied().unwrap_or(0),
-                        c.get(1).copied().unwrap_or(0),
-                    ]))
-                    .to_f32();
+                let mut bits = [0u16; 64];
+                for (o, c) in out.chunks_mut(64).zip(codes.chunks(128)) {
+                    for (b, pair) in bits.iter_mut().zip(c.chunks_exact(2)) {
+                        if let &[lo, hi] = pair {
+                            *b = u16::from_le_bytes([lo, hi]);
+                        }
+                    }
+                    // F16C when the CPU has it (detected at run time by `half`)
+                    let n = o.len();
+                    if let Some(src) = bits.get(..n) {
+                        use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+                        src.reinterpret_cast::<f16>().convert_to_f32_slice(o);
+                    }
                 }
             }
             Format::Bf16 => {
                 for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
-                    *o = bf16::from_bits(u16::from_le_bytes([
-                        c.first().copied().unwrap_or(0),
-                        c.get(1).copied().unwrap_or(0),
-                    ]))
-                    .to_f32();
+                    if let &[lo, hi] = c {
+                        *o = bf16::from_bits(u16::from_le_bytes([lo, hi])).to_f32();
+                    }
                 }
             }
             Format::Int8 | Format::Int8Rows => {
@@ -491,32 +521,31 @@ impl Packed {
             }
             Format::Nf4 => {
                 let s = self.scales.get(r).copied().unwrap_or(0.0);
-                for (j, o) in out.iter_mut().enumerate() {
-                    *o = NF4_CODEBOOK
-                        .get(usize::from(nibble(codes, j)))
-                        .copied()
-                        .unwrap_or(0.0)
-                        * s;
-                }
+                decode_pairs(codes, out, &NF4_PAIRS, |v| v * s);
             }
             Format::Nf4Block(g) => {
                 let ng = self.cols.div_ceil(g.get());
-                for (gi, chunk) in out.chunks_mut(g.get()).enumerate() {
-                    let s = self.scales.get(r * ng + gi).copied().unwrap_or(0.0);
-                    for (j, o) in chunk.iter_mut().enumerate() {
-                        let q = nibble(codes, gi * g.get() + j);
-                        *o = NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0) * s;
-                    }
+                let scales = self.scales.get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+                // groups are an even number of weights: each starts on a byte
+                for ((o, c), &s) in out
+                    .chunks_mut(g.get())
+                    .zip(codes.chunks(g.get() / 2))
+                    .zip(scales)
+                {
+                    decode_pairs(c, o, &NF4_PAIRS, |v| v * s);
                 }
             }
             Format::Int4Block(g) => {
                 let ng = self.cols.div_ceil(g.get());
-                for (gi, chunk) in out.chunks_mut(g.get()).enumerate() {
-                    let s = self.scales.get(r * ng + gi).copied().unwrap_or(0.0);
-                    let m = self.mins.get(r * ng + gi).copied().unwrap_or(0.0);
-                    for (j, o) in chunk.iter_mut().enumerate() {
-                        *o = m + f32::from(nibble(codes, gi * g.get() + j)) * s;
-                    }
+                let scales = self.scales.get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+                let mins = self.mins.get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+                for (((o, c), &s), &m) in out
+                    .chunks_mut(g.get())
+                    .zip(codes.chunks(g.get() / 2))
+                    .zip(scales)
+                    .zip(mins)
+                {
+                    decode_pairs(c, o, &INT4_PAIRS, |v| m + v * s);
                 }
             }
         }

@@ -126,8 +126,6 @@ fn embedding_storages_return_the_table_dtype_and_keep_zero_rows() {
     }
     assert!(e.prepare(&Storage::Quant(Format::Nf4)).is_err());
     e.set_table(e.prepare(&Storage::Dense).unwrap());
-    assert!(matches!(
-        e.forward(&Tensor::new(&[50u32], &dev).unwrap()),
-        Err(_)
-    ));
+    let past_end = e.forward(&Tensor::new(&[50u32], &dev).unwrap());
+    assert!(past_end.is_err());
 }

@@ -388,53 +388,79 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     // a small batch reads 4-bit codes straight from the packed row (whole 16-byte runs)
     let rb = w.format().row_code_bytes(cols);
     let fused = batch <= 4 && is_nibble(w.format()) && rb.is_multiple_of(16);
-    yt.par_chunks_mut(batch * ROWS_PER_TASK)
-        .enumerate()
-        .for_each_init(
-            || IntRow::new(fx.kp),
-            |row, (task, out)| {
-                for (i, yr) in out.chunks_exact_mut(batch).enumerate() {
-                    let r = task * ROWS_PER_TASK + i;
-                    row.load(isa, w, r, !fused);
-                    let packed = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
-                    in_fours(
-                        batch,
-                        |b| fx.row(b),
-                        |b0, [a, b, c, d], n| {
-                            let (w8, g, s) = (&row.codes, row.group, &row.scales);
-                            let dots = match (fused, row.lut) {
-                                (true, Some(t)) => match n {
-                                    1 => pad(isa.dot_nibbles(packed, t, [a], g, s)),
-                                    2 => pad(isa.dot_nibbles(packed, t, [a, b], g, s)),
-                                    3 => pad(isa.dot_nibbles(packed, t, [a, b, c], g, s)),
-                                    _ => isa.dot_nibbles(packed, t, [a, b, c, d], g, s),
-                                },
-                                _ => match n {
-                                    1 => pad(isa.dot_groups(w8, [a], g, s)),
-                                    2 => pad(isa.dot_groups(w8, [a, b], g, s)),
-                                    3 => pad(isa.dot_groups(w8, [a, b, c], g, s)),
-                                    _ => isa.dot_groups(w8, [a, b, c, d], g, s),
-                                },
-                            };
-                            for (k, &v) in dots.iter().take(n).enumerate() {
-                                let b = b0 + k;
-                                let mut s = v;
-                                if asym {
-                                    let mins = w.mins().get(r * groups..(r + 1) * groups);
-                                    let sums = xsums.get(b * groups..(b + 1) * groups);
-                                    if let (Some(m), Some(sx)) = (mins, sums) {
-                                        s += isa.dot_f32(m, sx);
-                                    }
-                                }
-                                if let (Some(o), Some(&d)) = (yr.get_mut(b), fx.d.get(b)) {
-                                    *o = s * d;
+    run_tasks(
+        yt,
+        batch * ROWS_PER_TASK,
+        batch * w.rows() * cols,
+        || IntRow::new(fx.kp),
+        |row, (task, out)| {
+            for (i, yr) in out.chunks_exact_mut(batch).enumerate() {
+                let r = task * ROWS_PER_TASK + i;
+                row.load(isa, w, r, !fused);
+                let packed = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+                in_fours(
+                    batch,
+                    |b| fx.row(b),
+                    |b0, [a, b, c, d], n| {
+                        let (w8, g, s) = (&row.codes, row.group, &row.scales);
+                        let dots = match (fused, row.lut) {
+                            (true, Some(t)) => match n {
+                                1 => pad(isa.dot_nibbles(packed, t, [a], g, s)),
+                                2 => pad(isa.dot_nibbles(packed, t, [a, b], g, s)),
+                                3 => pad(isa.dot_nibbles(packed, t, [a, b, c], g, s)),
+                                _ => isa.dot_nibbles(packed, t, [a, b, c, d], g, s),
+                            },
+                            _ => match n {
+                                1 => pad(isa.dot_groups(w8, [a], g, s)),
+                                2 => pad(isa.dot_groups(w8, [a, b], g, s)),
+                                3 => pad(isa.dot_groups(w8, [a, b, c], g, s)),
+                                _ => isa.dot_groups(w8, [a, b, c, d], g, s),
+                            },
+                        };
+                        for (k, &v) in dots.iter().take(n).enumerate() {
+                            let b = b0 + k;
+                            let mut s = v;
+                            if asym {
+                                let mins = w.mins().get(r * groups..(r + 1) * groups);
+                                let sums = xsums.get(b * groups..(b + 1) * groups);
+                                if let (Some(m), Some(sx)) = (mins, sums) {
+                                    s += isa.dot_f32(m, sx);
                                 }
                             }
-                        },
-                    );
-                }
-            },
-        );
+                            if let (Some(o), Some(&d)) = (yr.get_mut(b), fx.d.get(b)) {
+                                *o = s * d;
+                            }
+                        }
+                    },
+                );
+            }
+        },
+    );
+}
+
+/// Multiply-adds below which a call stays on the calling thread: waking the pool costs
+/// tens of microseconds, as much as a small layer's whole product.
+const PARALLEL_MIN_MACS: usize = 1 << 21;
+
+/// Runs `f(state, (index, piece))` over `chunk`-sized pieces of `out`: on all of rayon's
+/// threads when there are several and `macs` is large enough to pay for waking them,
+/// otherwise in order on this thread.
+fn run_tasks<S>(
+    out: &mut [f32],
+    chunk: usize,
+    macs: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, (usize, &mut [f32])) + Sync + Send,
+) {
+    let chunk = chunk.max(1);
+    if macs < PARALLEL_MIN_MACS || rayon::current_num_threads() < 2 {
+        let mut state = init();
+        for piece in out.chunks_mut(chunk).enumerate() {
+            f(&mut state, piece);
+        }
+    } else {
+        out.par_chunks_mut(chunk).enumerate().for_each_init(init, f);
+    }
 }
 
 fn pad<const N: usize>(v: [f32; N]) -> [f32; 4] {
@@ -449,30 +475,39 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
     let cols = w.cols();
     let bf16 = matches!(w.format(), Format::Bf16);
     let rb = w.format().row_code_bytes(cols);
-    yt.par_chunks_mut(batch).enumerate().for_each(|(r, yr)| {
-        let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
-        in_fours(
-            batch,
-            |b| x.get(b * cols..(b + 1) * cols).unwrap_or(&[]),
-            |b0, [a, b, c, d], n| {
-                let dots = match n {
-                    1 => pad(isa.dot_half(codes, bf16, [a])),
-                    2 => pad(isa.dot_half(codes, bf16, [a, b])),
-                    3 => pad(isa.dot_half(codes, bf16, [a, b, c])),
-                    _ => isa.dot_half(codes, bf16, [a, b, c, d]),
-                };
-                for (o, v) in yr.iter_mut().skip(b0).zip(dots.iter().take(n)) {
-                    *o = *v;
-                }
-            },
-        );
-    });
+    run_tasks(
+        yt,
+        batch,
+        batch * w.rows() * cols,
+        || (),
+        |(), (r, yr)| {
+            let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+            in_fours(
+                batch,
+                |b| x.get(b * cols..(b + 1) * cols).unwrap_or(&[]),
+                |b0, [a, b, c, d], n| {
+                    let dots = match n {
+                        1 => pad(isa.dot_half(codes, bf16, [a])),
+                        2 => pad(isa.dot_half(codes, bf16, [a, b])),
+                        3 => pad(isa.dot_half(codes, bf16, [a, b, c])),
+                        _ => isa.dot_half(codes, bf16, [a, b, c, d]),
+                    };
+                    for (o, v) in yr.iter_mut().skip(b0).zip(dots.iter().take(n)) {
+                        *o = *v;
+                    }
+                },
+            );
+        },
+    );
 }
 
 /// Non-finite activations: decode each row to f32 and multiply in f32.
 fn f32_rows(x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
     let cols = w.cols();
-    yt.par_chunks_mut(batch).enumerate().for_each_init(
+    run_tasks(
+        yt,
+        batch,
+        batch * w.rows() * cols,
         || vec![0f32; cols],
         |buf, (r, out)| {
             w.decode_row(r, buf);

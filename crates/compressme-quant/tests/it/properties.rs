@@ -295,3 +295,74 @@ fn non_finite_activations_propagate_to_their_own_row() {
         }
     }
 }
+
+/// Dequantization is the layout's definition, written out plainly here from the public
+/// buffers: codes, scales, minimums.
+#[test]
+fn dequantize_follows_the_layout_definition() {
+    for cols in [1usize, 31, 64, 65, 130] {
+        let rows = 3;
+        let w = weights(rows, cols, cols as u64);
+        for format in all_formats() {
+            let q = quantize(&w, rows, cols, format).unwrap();
+            let got = dequantized(&q);
+            let rb = format.row_code_bytes(cols);
+            let nib = |r: usize, j: usize| {
+                let b = q.codes()[r * rb + j / 2];
+                if j.is_multiple_of(2) { b & 15 } else { b >> 4 }
+            };
+            for r in 0..rows {
+                for j in 0..cols {
+                    let want = match format {
+                        Format::F16 => half::f16::from_bits(u16::from_le_bytes([
+                            q.codes()[r * rb + 2 * j],
+                            q.codes()[r * rb + 2 * j + 1],
+                        ]))
+                        .to_f32(),
+                        Format::Bf16 => half::bf16::from_bits(u16::from_le_bytes([
+                            q.codes()[r * rb + 2 * j],
+                            q.codes()[r * rb + 2 * j + 1],
+                        ]))
+                        .to_f32(),
+                        Format::Int8 | Format::Int8Rows => {
+                            f32::from(q.codes()[r * rb + j] as i8) * q.scales()[r]
+                        }
+                        Format::Nf4 => {
+                            compressme_quant::NF4_CODEBOOK[usize::from(nib(r, j))] * q.scales()[r]
+                        }
+                        Format::Nf4Block(g) => {
+                            let gi = r * cols.div_ceil(g.get()) + j / g.get();
+                            compressme_quant::NF4_CODEBOOK[usize::from(nib(r, j))] * q.scales()[gi]
+                        }
+                        Format::Int4Block(g) => {
+                            let gi = r * cols.div_ceil(g.get()) + j / g.get();
+                            q.mins()[gi] + f32::from(nib(r, j)) * q.scales()[gi]
+                        }
+                        _ => unreachable!(),
+                    };
+                    assert_eq!(
+                        got[r * cols + j].to_bits(),
+                        want.to_bits(),
+                        "{format} [{r}, {j}] of {cols}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn format_names_read_back() {
+    for f in all_formats() {
+        assert_eq!(Format::parse(&f.to_string()).unwrap(), f);
+    }
+    for name in Format::NAMES {
+        assert_eq!(Format::parse(name).unwrap().to_string(), name);
+    }
+    assert_eq!(
+        Format::parse(" NF4-G64 ").unwrap(),
+        Format::Nf4Block(GroupSize::G64)
+    );
+    let e = Format::parse("nf4-g48").unwrap_err().to_string();
+    assert!(e.contains("nf4-g64") && e.contains("int8-rows"), "{e}");
+}
