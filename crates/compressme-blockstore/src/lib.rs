@@ -295,6 +295,12 @@ impl BlockStore {
         self.verify_on_decode = on;
     }
 
+    /// The SHA-256 of each block's stored bytes, in block order.
+    #[must_use]
+    pub fn block_digests(&self) -> &[[u8; 32]] {
+        &self.digests
+    }
+
     /// Whether every decode re-checks digests.
     #[must_use]
     pub fn verify_on_decode(&self) -> bool {

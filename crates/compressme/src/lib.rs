@@ -24,6 +24,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub use compressme_artifact as artifact;
 pub use compressme_blockstore as blockstore;
 pub use compressme_nn as nn;
 pub use compressme_nn::{PackOptions, PackedFrozenEmbedding};

@@ -1,5 +1,7 @@
 //! The `compressme` command-line tool.
 
+mod artifact_cmds;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -22,6 +24,64 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Pack a safetensors checkpoint (a file, a folder, or a sharded index) into one
+    /// verified artifact: losslessly, quantized by name pattern, or by a plan.
+    Pack {
+        /// model.safetensors, a model folder, or model.safetensors.index.json.
+        input: PathBuf,
+        /// The artifact to write (written beside it and renamed when verified).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Store every float tensor in lossless row blocks where that is smaller (and
+        /// tensors that --format or --plan leave alone, when given with them).
+        #[arg(long)]
+        lossless: bool,
+        /// Quantize every float tensor of 2+ dimensions to this format (f16, bf16, int8,
+        /// nf4, nf4-g32/64/128, int4-g32/64/128), except those --keep matches.
+        #[arg(long)]
+        format: Option<String>,
+        /// A regular expression of tensor names --format leaves alone (e.g. 'lm_head|embed').
+        #[arg(long)]
+        keep: Option<String>,
+        /// A plan JSON: {"version": 1, "modules": {"NAME": "nf4-g64" | "int8" | "lossless" | "dense", ...}}.
+        #[arg(long)]
+        plan: Option<PathBuf>,
+        /// Rows per lossless block.
+        #[arg(long, default_value_t = 16)]
+        block_rows: usize,
+        /// Code lossless planes with Zstandard at this level instead of shared Huffman tables.
+        #[arg(long)]
+        zstd_level: Option<i32>,
+        /// Shared Huffman tables per byte plane (1-16): more tables fit unusual blocks
+        /// better and encode slower.
+        #[arg(long, default_value_t = 4)]
+        tables: u8,
+        /// Print the per-tensor report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a plain safetensors file from an artifact (byte-identical for lossless and
+    /// dense tensors, dequantized for quantized ones).
+    Unpack {
+        /// The artifact.
+        artifact: PathBuf,
+        /// The safetensors file to write, or a folder (model.safetensors in it).
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Per-tensor storage, dense and stored bytes, and totals (reads no payload).
+    Inspect {
+        /// The artifact.
+        artifact: PathBuf,
+        /// As JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every digest; a non-zero exit names the tensor and block that failed.
+    Verify {
+        /// The artifact.
+        artifact: PathBuf,
+    },
     /// Sentence embeddings of a BERT sentence-transformers folder (all-MiniLM-L6-v2 and
     /// kin): one JSON array per input line on stdout, computed as sentence-transformers
     /// does (truncation at max_seq_length, mean pooling over the attention mask, L2
@@ -74,7 +134,41 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(if std::env::var_os("COMPRESSME_DEBUG").is_some() {
+            tracing::Level::DEBUG
+        } else {
+            tracing::Level::WARN
+        })
+        .init();
     match Cli::parse().command {
+        Command::Pack {
+            input,
+            output,
+            lossless,
+            format,
+            keep,
+            plan,
+            block_rows,
+            zstd_level,
+            tables,
+            json,
+        } => artifact_cmds::pack(&artifact_cmds::PackArgs {
+            input,
+            output,
+            lossless,
+            format,
+            keep,
+            plan,
+            block_rows,
+            zstd_level,
+            tables,
+            json,
+        }),
+        Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
+        Command::Inspect { artifact, json } => artifact_cmds::inspect(&artifact, json),
+        Command::Verify { artifact } => artifact_cmds::verify(&artifact),
         Command::Embed {
             model_dir,
             text,

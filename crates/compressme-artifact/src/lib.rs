@@ -1,0 +1,58 @@
+//! The compressme artifact: one safetensors file holding lossless row blocks, packed
+//! quantized weights and dense tensors, with a closed, versioned recipe in its
+//! `__metadata__`, verified block by block when written and when read.
+//!
+//! - [`Writer`] adds tensors one at a time (dense, lossless where it pays, quantized),
+//!   spooling payloads to a temporary file so memory holds one tensor; `finish` writes
+//!   the header and payloads, reopens and verifies the file, and renames it into place.
+//! - [`Artifact::open`] checks the header (sizes against caller-set [`Limits`] before
+//!   any allocation), the format name and version, and the recipe against the payload,
+//!   all before reading a payload byte; [`Artifact::verify`] checks every digest;
+//!   [`unpack`] writes a plain safetensors file, byte-identical for lossless tensors.
+//! - [`Checkpoint`] reads any safetensors checkpoint (one file, a folder, or shards
+//!   through the index JSON) a tensor at a time.
+//!
+//! The layout is specified in `docs/FORMAT.md` ("Artifact, version 1"); frozen fixtures
+//! live under `fixtures/artifact/v1/`. What it is not: a model loader (the umbrella crate
+//! applies artifacts to models) or a compressor of its own (the block store and the
+//! quantized formats are).
+//!
+//! # Example
+//! ```
+//! use compressme_artifact::{Artifact, Dtype, Limits, Writer};
+//! use compressme_blockstore::Coder;
+//!
+//! let dir = std::env::temp_dir().join(format!("cm-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir)?;
+//! let path = dir.join("a.safetensors");
+//! let values: Vec<u8> = (0..64 * 32).flat_map(|i| ((i % 7) as f32 * 0.25).to_le_bytes()).collect();
+//! let mut w = Writer::create(&path)?;
+//! let added = w.add_lossless("emb.weight", Dtype::F32, &[64, 32], &values, 16, Coder::default())?;
+//! assert!(added.stored_bytes < added.dense_bytes);
+//! let summary = w.finish()?; // written, reopened, every block verified, renamed
+//! assert_eq!(summary.lossless, 1);
+//!
+//! let mut a = Artifact::open(&path, &Limits::default())?;
+//! let (bytes, exact) = a.read_tensor("emb.weight")?;
+//! assert!(exact && bytes == values);
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+#![deny(clippy::unwrap_used, clippy::expect_used)]
+
+mod artifact;
+mod error;
+pub mod recipe;
+mod source;
+mod st;
+
+pub use artifact::{
+    Added, Artifact, Stored, Summary, Writer, blocks_name, codes_name, from_f32, mins_name,
+    row_view, scales_name, to_f32, unpack, value_kind,
+};
+pub use error::{Error, Result};
+pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
+pub use source::Checkpoint;
+pub use st::{AtomicFile, Dtype, Entry, Limits, Planned, SafetensorsFile, header_bytes};

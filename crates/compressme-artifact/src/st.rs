@@ -1,0 +1,511 @@
+//! safetensors files read and written a tensor at a time: the header is parsed with every
+//! size checked against [`Limits`] before anything is allocated, tensors are read by
+//! seeking, and writing streams tensors after a header computed up front.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::{Error, Result};
+
+/// Bounds a reader enforces on sizes read from a file, before allocating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of the JSON header (default 100 MiB).
+    pub max_header: u64,
+    /// Tensors in one file (default 1,000,000).
+    pub max_tensors: usize,
+    /// Bytes of one tensor's payload (default 64 GiB).
+    pub max_tensor: u64,
+    /// Bytes of the whole file (default unbounded): set it for services that accept
+    /// uploads.
+    pub max_total: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_header: 100 << 20,
+            max_tensors: 1_000_000,
+            max_tensor: 64 << 30,
+            max_total: u64::MAX,
+        }
+    }
+}
+
+/// The safetensors dtypes, with their element sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Dtype {
+    /// bool, 1 byte.
+    Bool,
+    /// u8.
+    U8,
+    /// i8.
+    I8,
+    /// u16.
+    U16,
+    /// i16.
+    I16,
+    /// f16.
+    F16,
+    /// bf16.
+    Bf16,
+    /// u32.
+    U32,
+    /// i32.
+    I32,
+    /// f32.
+    F32,
+    /// u64.
+    U64,
+    /// i64.
+    I64,
+    /// f64.
+    F64,
+    /// 8-bit float, e4m3.
+    F8E4m3,
+    /// 8-bit float, e5m2.
+    F8E5m2,
+}
+
+impl Dtype {
+    const ALL: [(Self, &'static str, usize); 15] = [
+        (Self::Bool, "BOOL", 1),
+        (Self::U8, "U8", 1),
+        (Self::I8, "I8", 1),
+        (Self::U16, "U16", 2),
+        (Self::I16, "I16", 2),
+        (Self::F16, "F16", 2),
+        (Self::Bf16, "BF16", 2),
+        (Self::U32, "U32", 4),
+        (Self::I32, "I32", 4),
+        (Self::F32, "F32", 4),
+        (Self::U64, "U64", 8),
+        (Self::I64, "I64", 8),
+        (Self::F64, "F64", 8),
+        (Self::F8E4m3, "F8_E4M3", 1),
+        (Self::F8E5m2, "F8_E5M2", 1),
+    ];
+
+    /// The name safetensors writes.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(d, ..)| *d == self)
+            .map_or("?", |(_, n, _)| n)
+    }
+
+    /// Reads a safetensors dtype name.
+    #[must_use]
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .find(|(_, n, _)| *n == name)
+            .map(|(d, ..)| *d)
+    }
+
+    /// Bytes an element.
+    #[must_use]
+    pub fn size(self) -> usize {
+        Self::ALL
+            .iter()
+            .find(|(d, ..)| *d == self)
+            .map_or(1, |(.., s)| *s)
+    }
+
+    /// f16, bf16, f32 or f64.
+    #[must_use]
+    pub fn is_float(self) -> bool {
+        matches!(self, Self::F16 | Self::Bf16 | Self::F32 | Self::F64)
+    }
+}
+
+/// One tensor of a safetensors file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Its name.
+    pub name: String,
+    /// Its dtype.
+    pub dtype: Dtype,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Offset of its bytes from the start of the data section.
+    pub begin: u64,
+    /// One past its last byte.
+    pub end: u64,
+}
+
+impl Entry {
+    /// Bytes of data.
+    #[must_use]
+    pub fn len(&self) -> u64 {
+        self.end - self.begin
+    }
+
+    /// Whether it holds no bytes.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.end == self.begin
+    }
+}
+
+/// An open safetensors file: its header, parsed and checked.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    entries: Vec<Entry>,
+    metadata: BTreeMap<String, String>,
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::NotSafetensors {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl SafetensorsFile {
+    /// Opens and checks a file: header length and JSON, every dtype, that each shape's
+    /// size equals its byte range, and that the ranges tile the data section exactly.
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::NotSafetensors`] naming what is wrong, [`Error::TooLarge`].
+    pub fn open(path: &Path, limits: &Limits) -> Result<Self> {
+        let mut file = File::open(path).map_err(io(path))?;
+        let size = file.metadata().map_err(io(path))?.len();
+        if size > limits.max_total {
+            return Err(Error::TooLarge {
+                path: path.to_path_buf(),
+                what: "the file".into(),
+                got: size,
+                limit: limits.max_total,
+            });
+        }
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len)
+            .map_err(|_| bad(path, format!("{size} bytes, too short for a header length")))?;
+        let n = u64::from_le_bytes(len);
+        if n > limits.max_header {
+            return Err(Error::TooLarge {
+                path: path.to_path_buf(),
+                what: "the header".into(),
+                got: n,
+                limit: limits.max_header,
+            });
+        }
+        if n.checked_add(8).is_none_or(|end| end > size) {
+            return Err(bad(
+                path,
+                format!("header of {n} bytes runs past the end ({size} bytes)"),
+            ));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header).map_err(io(path))?;
+        let json: Map<String, Value> = serde_json::from_slice(&header)
+            .map_err(|e| bad(path, format!("header is not a JSON object: {e}")))?;
+        if json.len() > limits.max_tensors.saturating_add(1) {
+            return Err(Error::TooLarge {
+                path: path.to_path_buf(),
+                what: "the tensor count".into(),
+                got: json.len() as u64,
+                limit: limits.max_tensors as u64,
+            });
+        }
+        let data_len = size - 8 - n;
+        let mut metadata = BTreeMap::new();
+        let mut entries = Vec::with_capacity(json.len());
+        for (name, v) in json {
+            if name == "__metadata__" {
+                let m = v
+                    .as_object()
+                    .ok_or_else(|| bad(path, "__metadata__ is not an object"))?;
+                for (k, v) in m {
+                    let s = v
+                        .as_str()
+                        .ok_or_else(|| bad(path, format!("metadata `{k}` is not a string")))?;
+                    metadata.insert(k.clone(), s.to_string());
+                }
+                continue;
+            }
+            entries.push(parse_entry(path, name, &v, limits, data_len)?);
+        }
+        entries.sort_by_key(|e| (e.begin, e.end));
+        let mut at = 0;
+        for e in &entries {
+            if e.begin != at {
+                return Err(bad(
+                    path,
+                    format!(
+                        "tensor `{}` starts at {} where {at} was expected (gap or overlap)",
+                        e.name, e.begin
+                    ),
+                ));
+            }
+            at = e.end;
+        }
+        if at != data_len {
+            return Err(bad(
+                path,
+                format!("tensors cover {at} bytes of a {data_len}-byte data section"),
+            ));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            data_start: 8 + n,
+            entries,
+            metadata,
+        })
+    }
+
+    /// The file's path.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tensors, in file order.
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The tensor called `name`.
+    #[must_use]
+    pub fn entry(&self, name: &str) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    /// `__metadata__`.
+    #[must_use]
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// Reads one tensor's bytes.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn read(&mut self, e: &Entry) -> Result<Vec<u8>> {
+        let len = usize::try_from(e.len()).map_err(|_| bad(&self.path, "tensor too large"))?;
+        let mut buf = vec![0u8; len];
+        self.file
+            .seek(SeekFrom::Start(self.data_start + e.begin))
+            .map_err(io(&self.path))?;
+        self.file.read_exact(&mut buf).map_err(io(&self.path))?;
+        Ok(buf)
+    }
+}
+
+fn parse_entry(
+    path: &Path,
+    name: String,
+    v: &Value,
+    limits: &Limits,
+    data_len: u64,
+) -> Result<Entry> {
+    let o = v
+        .as_object()
+        .ok_or_else(|| bad(path, format!("tensor `{name}` is not an object")))?;
+    let dname = o
+        .get("dtype")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(path, format!("tensor `{name}` has no dtype")))?;
+    let dtype = Dtype::parse(dname).ok_or_else(|| Error::UnsupportedDtype {
+        tensor: name.clone(),
+        dtype: dname.to_string(),
+    })?;
+    let shape = o
+        .get("shape")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad(path, format!("tensor `{name}` has no shape")))?
+        .iter()
+        .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+        .collect::<Option<Vec<usize>>>()
+        .ok_or_else(|| bad(path, format!("tensor `{name}` has a bad shape")))?;
+    let offsets = o
+        .get("data_offsets")
+        .and_then(Value::as_array)
+        .and_then(|a| match a.as_slice() {
+            [b, e] => Some((b.as_u64()?, e.as_u64()?)),
+            _ => None,
+        })
+        .ok_or_else(|| bad(path, format!("tensor `{name}` has bad data_offsets")))?;
+    let (begin, end) = offsets;
+    if begin > end || end > data_len {
+        return Err(bad(
+            path,
+            format!("tensor `{name}` spans {begin}..{end} of a {data_len}-byte data section"),
+        ));
+    }
+    let want = shape
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64));
+    if want != Some(end - begin) {
+        return Err(bad(
+            path,
+            format!(
+                "tensor `{name}`: shape {shape:?} of {} does not fill {} bytes",
+                dtype.name(),
+                end - begin
+            ),
+        ));
+    }
+    if end - begin > limits.max_tensor {
+        return Err(Error::TooLarge {
+            path: path.to_path_buf(),
+            what: format!("tensor `{name}`"),
+            got: end - begin,
+            limit: limits.max_tensor,
+        });
+    }
+    Ok(Entry {
+        name,
+        dtype,
+        shape,
+        begin,
+        end,
+    })
+}
+
+/// A tensor to be written: its header fields and its byte length.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    /// Name.
+    pub name: String,
+    /// Dtype.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The header bytes (length prefix included, padded with spaces to a multiple of 8, as
+/// the safetensors crate writes) for tensors laid out back to back in the given order.
+///
+/// # Errors
+/// Never in practice (JSON serialisation of strings and numbers).
+pub fn header_bytes(tensors: &[Planned], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+    let mut map = Map::new();
+    if !metadata.is_empty() {
+        map.insert(
+            "__metadata__".into(),
+            Value::Object(
+                metadata
+                    .iter()
+                    .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                    .collect(),
+            ),
+        );
+    }
+    let mut at = 0u64;
+    for t in tensors {
+        let mut o = Map::new();
+        o.insert("dtype".into(), Value::String(t.dtype.name().into()));
+        o.insert("shape".into(), Value::from(t.shape.clone()));
+        o.insert("data_offsets".into(), Value::from(vec![at, at + t.len]));
+        map.insert(t.name.clone(), Value::Object(o));
+        at += t.len;
+    }
+    let mut json = serde_json::to_vec(&Value::Object(map)).map_err(|e| Error::Recipe {
+        path: PathBuf::new(),
+        reason: e.to_string(),
+    })?;
+    while (json.len() + 8) % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+/// A file written beside its destination and renamed into place only when complete; it
+/// is removed if dropped before [`AtomicFile::commit`].
+#[derive(Debug)]
+pub struct AtomicFile {
+    tmp: PathBuf,
+    dest: PathBuf,
+    file: Option<File>,
+}
+
+impl AtomicFile {
+    /// Creates `dest`'s temporary sibling.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn create(dest: &Path) -> Result<Self> {
+        let name = dest
+            .file_name()
+            .map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
+        let tmp = dest.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        let file = File::create(&tmp).map_err(io(&tmp))?;
+        Ok(Self {
+            tmp,
+            dest: dest.to_path_buf(),
+            file: Some(file),
+        })
+    }
+
+    /// The temporary path (complete once written, before the rename).
+    #[must_use]
+    pub fn tmp_path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Appends bytes.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn write_all(&mut self, bytes: &[u8]) -> Result<()> {
+        match &mut self.file {
+            Some(f) => f.write_all(bytes).map_err(io(&self.tmp)),
+            None => Ok(()),
+        }
+    }
+
+    /// Flushes and syncs the temporary file (still not renamed).
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn sync(&mut self) -> Result<()> {
+        if let Some(f) = &mut self.file {
+            f.flush().map_err(io(&self.tmp))?;
+            f.sync_all().map_err(io(&self.tmp))?;
+        }
+        Ok(())
+    }
+
+    /// Renames the finished file into place.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn commit(mut self) -> Result<()> {
+        self.sync()?;
+        self.file = None;
+        std::fs::rename(&self.tmp, &self.dest).map_err(io(&self.dest))
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            self.file = None;
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}

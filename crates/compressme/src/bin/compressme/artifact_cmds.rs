@@ -1,0 +1,340 @@
+//! `pack`, `unpack`, `inspect` and `verify`: the artifact's command-line face.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use compressme::artifact::{
+    Artifact, Checkpoint, Dtype, Limits, StorageRecipe, Writer, recipe::sha256_hex, unpack,
+};
+use compressme::blockstore::Coder;
+use compressme::quant::Format;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Deserialize;
+
+/// How `pack` stores tensors.
+pub(crate) struct PackArgs {
+    pub(crate) input: PathBuf,
+    pub(crate) output: PathBuf,
+    pub(crate) lossless: bool,
+    pub(crate) format: Option<String>,
+    pub(crate) keep: Option<String>,
+    pub(crate) plan: Option<PathBuf>,
+    pub(crate) block_rows: usize,
+    pub(crate) zstd_level: Option<i32>,
+    pub(crate) tables: u8,
+    pub(crate) json: bool,
+}
+
+/// A plan file as `pack --plan` reads it (version 1): storage per module or tensor name.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanFile {
+    version: u32,
+    /// Name (a tensor, or a module: the tensor name without `.weight`) -> `dense`,
+    /// `lossless`, or a format name.
+    modules: BTreeMap<String, String>,
+    #[serde(default)]
+    output_head_policy: Option<String>,
+}
+
+enum Choice {
+    Dense,
+    Lossless,
+    Quant(Format),
+}
+
+fn bar(total: u64) -> ProgressBar {
+    let pb = ProgressBar::new(total);
+    if let Ok(style) =
+        ProgressStyle::with_template("{bar:30} {bytes}/{total_bytes} {bytes_per_sec} {msg}")
+    {
+        pb.set_style(style);
+    }
+    pb
+}
+
+pub(crate) fn pack(a: &PackArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let mut ckpt = Checkpoint::open(&a.input, &Limits::default())
+        .with_context(|| format!("reading checkpoint {}", a.input.display()))?;
+    let names: Vec<String> = ckpt.entries().map(|e| e.name.clone()).collect();
+    let format = a
+        .format
+        .as_deref()
+        .map(Format::parse)
+        .transpose()
+        .context("--format")?;
+    let keep = a
+        .keep
+        .as_deref()
+        .map(regex::Regex::new)
+        .transpose()
+        .context("--keep is not a valid regular expression")?;
+    let (plan, plan_bytes) = match &a.plan {
+        Some(p) => {
+            let text = std::fs::read(p).with_context(|| format!("reading plan {}", p.display()))?;
+            let plan: PlanFile = serde_json::from_slice(&text)
+                .with_context(|| format!("{} is not a valid plan", p.display()))?;
+            if plan.version != 1 {
+                bail!(
+                    "{}: plan version {} is not supported (1)",
+                    p.display(),
+                    plan.version
+                );
+            }
+            (Some(plan), Some(text))
+        }
+        None => (None, None),
+    };
+    if !a.lossless && format.is_none() && plan.is_none() {
+        bail!("say how to pack: --lossless, --format FORMAT, or --plan PLAN.json");
+    }
+    // every plan entry must name a tensor (or a module whose weight is a tensor)
+    let mut by_tensor: BTreeMap<String, Choice> = BTreeMap::new();
+    if let Some(plan) = &plan {
+        for (name, storage) in &plan.modules {
+            let tensor = if names.contains(name) {
+                name.clone()
+            } else if names.contains(&format!("{name}.weight")) {
+                format!("{name}.weight")
+            } else {
+                bail!(
+                    "plan names `{name}`, which is neither a tensor nor a module of {} ({} tensors)",
+                    a.input.display(),
+                    names.len()
+                );
+            };
+            let choice = match storage.as_str() {
+                "dense" => Choice::Dense,
+                "lossless" => Choice::Lossless,
+                f => {
+                    Choice::Quant(Format::parse(f).with_context(|| format!("plan entry `{name}`"))?)
+                }
+            };
+            by_tensor.insert(tensor, choice);
+        }
+    }
+    if !(1..=16).contains(&a.tables) {
+        bail!("--tables must be 1 to 16, got {}", a.tables);
+    }
+    let coder = a.zstd_level.map_or(
+        Coder::SharedHuffman {
+            max_tables: a.tables,
+        },
+        |level| Coder::Zstd { level },
+    );
+    let total: u64 = ckpt.entries().map(|e| e.len()).sum();
+    let largest = ckpt.largest();
+    let mut w =
+        Writer::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
+    w.recipe_mut().source_metadata = ckpt.metadata().clone();
+    if let (Some(plan), Some(bytes)) = (&plan, &plan_bytes) {
+        w.recipe_mut().plan_sha256 = Some(sha256_hex(bytes));
+        w.recipe_mut().output_head_policy = plan.output_head_policy.clone();
+    }
+    let pb = bar(total);
+    let mut report = Vec::with_capacity(names.len());
+    for name in &names {
+        pb.set_message(name.clone());
+        let entry = ckpt
+            .entries()
+            .find(|e| &e.name == name)
+            .cloned()
+            .context("tensor vanished")?;
+        let bytes = ckpt.read(name)?;
+        let quantizable = entry.dtype.is_float() && entry.shape.len() >= 2;
+        let choice = match by_tensor.remove(name) {
+            Some(c) => c,
+            None => match format {
+                Some(f) if quantizable && !keep.as_ref().is_some_and(|k| k.is_match(name)) => {
+                    Choice::Quant(f)
+                }
+                _ if a.lossless && entry.dtype.is_float() => Choice::Lossless,
+                _ => Choice::Dense,
+            },
+        };
+        let added = match choice {
+            Choice::Dense => w.add_dense(name, entry.dtype, &entry.shape, &bytes)?,
+            Choice::Lossless => {
+                w.add_lossless(name, entry.dtype, &entry.shape, &bytes, a.block_rows, coder)?
+            }
+            Choice::Quant(f) => w.add_quantized(name, entry.dtype, &entry.shape, &bytes, f)?,
+        };
+        tracing::debug!(tensor = %name, storage = %added.storage, dense = added.dense_bytes, stored = added.stored_bytes);
+        if added.kept_dense && !a.json {
+            pb.println(format!(
+                "{name}: kept dense ({} bytes; lossless blocks would not be smaller)",
+                added.dense_bytes
+            ));
+        }
+        report.push(added);
+        pb.inc(entry.len());
+    }
+    pb.set_message("verifying");
+    let summary = w.finish().context("writing the artifact")?;
+    pb.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    if a.json {
+        let v = serde_json::json!({
+            "input": a.input.display().to_string(),
+            "output": a.output.display().to_string(),
+            "summary": summary,
+            "largest_tensor_bytes": largest,
+            "seconds": secs,
+            "tensors": report,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "{}: {} tensors ({} lossless, {} quantized, {} dense), {} -> {} bytes ({:.4}), file {} bytes, {} blocks verified, {:.1} s ({:.0} MB/s)",
+            a.output.display(),
+            summary.tensors,
+            summary.lossless,
+            summary.quantized,
+            summary.dense,
+            summary.dense_bytes,
+            summary.stored_bytes,
+            summary.stored_bytes as f64 / summary.dense_bytes.max(1) as f64,
+            summary.file_bytes,
+            summary.blocks,
+            secs,
+            summary.dense_bytes as f64 / secs / 1e6
+        );
+    }
+    Ok(())
+}
+
+pub(crate) fn unpack_cmd(artifact: &Path, out: &Path) -> Result<()> {
+    let t0 = Instant::now();
+    let dest = if out.is_dir() {
+        out.join("model.safetensors")
+    } else {
+        out.to_path_buf()
+    };
+    let mut a = Artifact::open(artifact, &Limits::default())
+        .with_context(|| format!("opening {}", artifact.display()))?;
+    let total: u64 = a
+        .recipe()
+        .tensors
+        .iter()
+        .map(|t| {
+            t.shape.iter().product::<usize>() as u64
+                * Dtype::parse(&t.dtype).map_or(1, Dtype::size) as u64
+        })
+        .sum();
+    let pb = bar(total);
+    let s = unpack(&mut a, &dest, |name, n| {
+        pb.set_message(name.to_string());
+        pb.inc(n);
+    })
+    .with_context(|| format!("unpacking {}", artifact.display()))?;
+    pb.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "{}: {} tensors ({} exact, {} dequantized), {} bytes, {:.2} s ({:.0} MB/s)",
+        dest.display(),
+        s.tensors,
+        s.lossless,
+        s.quantized,
+        s.dense_bytes,
+        secs,
+        s.dense_bytes as f64 / secs / 1e6
+    );
+    Ok(())
+}
+
+pub(crate) fn inspect(artifact: &Path, json: bool) -> Result<()> {
+    let a = Artifact::open(artifact, &Limits::default())
+        .with_context(|| format!("opening {}", artifact.display()))?;
+    let mut rows = Vec::new();
+    let (mut dense_total, mut stored_total) = (0u64, 0u64);
+    for t in &a.recipe().tensors {
+        let dense = t.shape.iter().product::<usize>() as u64
+            * Dtype::parse(&t.dtype).map_or(1, Dtype::size) as u64;
+        let stored = a.stored_bytes(t);
+        dense_total += dense;
+        stored_total += stored;
+        let kind = match &t.storage {
+            StorageRecipe::Dense => "dense".to_string(),
+            StorageRecipe::Lossless {
+                coder, block_rows, ..
+            } => {
+                format!("lossless ({coder}, {block_rows} rows a block)")
+            }
+            StorageRecipe::Quant { format, .. } => format.clone(),
+        };
+        rows.push(serde_json::json!({
+            "name": t.name, "dtype": t.dtype, "shape": t.shape, "storage": kind,
+            "dense_bytes": dense, "stored_bytes": stored,
+            "ratio": stored as f64 / dense.max(1) as f64,
+        }));
+    }
+    if json {
+        let v = serde_json::json!({
+            "artifact": artifact.display().to_string(),
+            "format": a.recipe().format,
+            "version": a.recipe().version,
+            "tool": a.recipe().tool,
+            "file_bytes": a.file_bytes(),
+            "dense_bytes": dense_total,
+            "stored_bytes": stored_total,
+            "ratio": stored_total as f64 / dense_total.max(1) as f64,
+            "plan_sha256": a.recipe().plan_sha256,
+            "output_head_policy": a.recipe().output_head_policy,
+            "tensors": rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({} version {}, written by {})",
+        artifact.display(),
+        a.recipe().format,
+        a.recipe().version,
+        a.recipe().tool
+    );
+    println!(
+        "{:<60} {:>10} {:>14} {:>14} {:>7}  storage",
+        "tensor", "dtype", "dense", "stored", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:<60} {:>10} {:>14} {:>14} {:>7.4}  {}",
+            r["name"].as_str().unwrap_or(""),
+            r["dtype"].as_str().unwrap_or(""),
+            r["dense_bytes"],
+            r["stored_bytes"],
+            r["ratio"].as_f64().unwrap_or(0.0),
+            r["storage"].as_str().unwrap_or("")
+        );
+    }
+    println!(
+        "total: {} tensors, {dense_total} -> {stored_total} bytes ({:.4}); file {} bytes",
+        rows.len(),
+        stored_total as f64 / dense_total.max(1) as f64,
+        a.file_bytes()
+    );
+    Ok(())
+}
+
+pub(crate) fn verify(artifact: &Path) -> Result<()> {
+    let t0 = Instant::now();
+    let a = Artifact::open(artifact, &Limits::default())
+        .with_context(|| format!("opening {}", artifact.display()))?;
+    let s = a
+        .verify()
+        .with_context(|| format!("verifying {}", artifact.display()))?;
+    println!(
+        "{}: ok: {} tensors ({} lossless with {} blocks, {} quantized, {} dense), every digest matches ({:.2} s)",
+        artifact.display(),
+        s.tensors,
+        s.lossless,
+        s.blocks,
+        s.quantized,
+        s.dense,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
