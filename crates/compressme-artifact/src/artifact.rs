@@ -3,14 +3,16 @@
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::Read;
+
+use sha2::Digest;
 use std::path::{Path, PathBuf};
 
 use compressme_blockstore::{BlockStore, Coder, EncodeOptions, ValueKind};
 use compressme_quant::{Format, Packed};
 
 use crate::recipe::{
-    FORMAT_KEY, FORMAT_NAME, READABLE, RECIPE_KEY, Recipe, StorageRecipe, TensorRecipe, VERSION,
-    VERSION_KEY, hex, sha256_hex,
+    FORMAT_KEY, FORMAT_NAME, READABLE, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe,
+    TensorRecipe, VERSION, VERSION_KEY, hex, sha256_hex,
 };
 use crate::st::{AtomicFile, Dtype, Entry, Limits, Planned, SafetensorsFile, header_bytes};
 use crate::{Error, Result};
@@ -301,21 +303,26 @@ impl Writer {
         })?;
         self.claim(name)?;
         let before: u64 = self.planned.iter().map(|p| p.len).sum();
+        let mut digest = sha2::Sha256::new();
         self.push(
             codes_name(name),
             Dtype::U8,
             vec![packed.codes().len()],
             packed.codes(),
         )?;
+        digest.update(packed.codes());
         let group = format.group().is_some();
         if !packed.scales().is_empty() {
             let (dt, b) = scale_bytes(packed.scales(), group);
             self.push(scales_name(name), dt, vec![packed.scales().len()], &b)?;
+            digest.update(&b);
         }
         if !packed.mins().is_empty() {
             let (dt, b) = scale_bytes(packed.mins(), true);
             self.push(mins_name(name), dt, vec![packed.mins().len()], &b)?;
+            digest.update(&b);
         }
+        let d: [u8; 32] = digest.finalize().into();
         let after: u64 = self.planned.iter().map(|p| p.len).sum();
         self.tensors.push(TensorRecipe {
             name: name.into(),
@@ -326,6 +333,7 @@ impl Writer {
                 format: format.to_string(),
                 rows,
                 cols,
+                payload_sha256: hex(&d),
             },
         });
         Ok(Added {
@@ -352,13 +360,12 @@ impl Writer {
         let mut metadata = BTreeMap::new();
         metadata.insert(FORMAT_KEY.to_string(), FORMAT_NAME.to_string());
         metadata.insert(VERSION_KEY.to_string(), VERSION.to_string());
-        metadata.insert(
-            RECIPE_KEY.to_string(),
-            serde_json::to_string(&recipe).map_err(|e| Error::Recipe {
-                path: self.dest.clone(),
-                reason: e.to_string(),
-            })?,
-        );
+        let json = serde_json::to_string(&recipe).map_err(|e| Error::Recipe {
+            path: self.dest.clone(),
+            reason: e.to_string(),
+        })?;
+        metadata.insert(RECIPE_SHA_KEY.to_string(), sha256_hex(json.as_bytes()));
+        metadata.insert(RECIPE_KEY.to_string(), json);
         let header = header_bytes(&self.planned, &metadata)?;
         let mut out = AtomicFile::create(&self.dest)?;
         out.write_all(&header)?;
@@ -525,11 +532,18 @@ impl Artifact {
             path: path.to_path_buf(),
             reason,
         };
-        let recipe: Recipe = serde_json::from_str(
-            md.get(RECIPE_KEY)
-                .ok_or_else(|| not("no compressme.recipe in __metadata__"))?,
-        )
-        .map_err(|e| bad(format!("not a valid recipe: {e}")))?;
+        let json = md
+            .get(RECIPE_KEY)
+            .ok_or_else(|| not("no compressme.recipe in __metadata__"))?;
+        if md.get(RECIPE_SHA_KEY).map(String::as_str) != Some(sha256_hex(json.as_bytes()).as_str())
+        {
+            return Err(Error::Digest {
+                tensor: "(recipe)".into(),
+                what: "the recipe in __metadata__".into(),
+            });
+        }
+        let recipe: Recipe =
+            serde_json::from_str(json).map_err(|e| bad(format!("not a valid recipe: {e}")))?;
         if recipe.format != FORMAT_NAME || recipe.version.to_string() != *version {
             return Err(bad(format!(
                 "recipe says {} version {}, metadata says version {version}",
@@ -645,20 +659,42 @@ impl Artifact {
                 }
                 Ok(Stored::Lossless(store))
             }
-            StorageRecipe::Quant { format, rows, cols } => {
+            StorageRecipe::Quant {
+                format,
+                rows,
+                cols,
+                payload_sha256,
+            } => {
                 let format = Format::parse(format).map_err(|source| Error::Quant {
                     tensor: name.into(),
                     source,
                 })?;
+                let mut digest = sha2::Sha256::new();
                 let codes = self.read_entry(&codes_name(name))?;
+                digest.update(&codes);
                 let scales = match self.file.entry(&scales_name(name)).cloned() {
-                    Some(e) => floats(e.dtype, &self.file.read(&e)?),
+                    Some(e) => {
+                        let b = self.file.read(&e)?;
+                        digest.update(&b);
+                        floats(e.dtype, &b)
+                    }
                     None => Vec::new(),
                 };
                 let mins = match self.file.entry(&mins_name(name)).cloned() {
-                    Some(e) => floats(e.dtype, &self.file.read(&e)?),
+                    Some(e) => {
+                        let b = self.file.read(&e)?;
+                        digest.update(&b);
+                        floats(e.dtype, &b)
+                    }
                     None => Vec::new(),
                 };
+                let d: [u8; 32] = digest.finalize().into();
+                if hex(&d) != *payload_sha256 {
+                    return Err(Error::Digest {
+                        tensor: name.into(),
+                        what: "packed codes and scales".into(),
+                    });
+                }
                 let packed = Packed::from_parts(format, *rows, *cols, codes, scales, mins)
                     .map_err(|source| Error::Quant {
                         tensor: name.into(),
@@ -848,7 +884,15 @@ fn check_tensor(
             }
             used.insert(e.name);
         }
-        StorageRecipe::Quant { format, rows, cols } => {
+        StorageRecipe::Quant {
+            format,
+            rows,
+            cols,
+            payload_sha256,
+        } => {
+            if !hex_ok(payload_sha256) {
+                return Err(format!("tensor `{n}`: no payload SHA-256"));
+            }
             let f = Format::parse(format).map_err(|e| format!("tensor `{n}`: {e}"))?;
             if !dtype.is_float()
                 || (*rows as u64).checked_mul(*cols as u64) != Some(numel)

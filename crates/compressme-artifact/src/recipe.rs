@@ -14,6 +14,8 @@ pub const RECIPE_KEY: &str = "compressme.recipe";
 pub const FORMAT_KEY: &str = "format";
 /// `__metadata__` key holding the version.
 pub const VERSION_KEY: &str = "compressme.version";
+/// `__metadata__` key holding the SHA-256 of the recipe JSON string.
+pub const RECIPE_SHA_KEY: &str = "compressme.recipe_sha256";
 
 /// Everything needed to rebuild each original tensor, and what was used to make them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -94,6 +96,8 @@ pub enum StorageRecipe {
         rows: usize,
         /// Columns (the product of the others).
         cols: usize,
+        /// SHA-256 of the payload bytes as stored: codes, then scales, then minimums.
+        payload_sha256: String,
     },
 }
 

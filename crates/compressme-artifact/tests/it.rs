@@ -1,0 +1,286 @@
+//! Round trips, determinism, bounds and a corruption sweep over a small artifact.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+use std::path::{Path, PathBuf};
+
+use compressme_artifact::{Artifact, Dtype, Error, Limits, Writer, unpack};
+use compressme_blockstore::Coder;
+use compressme_quant::{Format, GroupSize};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cm-artifact-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Weight-like f32 bytes (plus NaN payloads, signed zeros, subnormals, infinities).
+fn weights(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v: Vec<f32> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x % 20001) as f32 - 10000.0) * 1e-5
+        })
+        .collect();
+    let specials = [
+        f32::from_bits(0x7fc0_1234),
+        f32::from_bits(0xffa0_0001),
+        -0.0,
+        f32::from_bits(1),
+        f32::INFINITY,
+    ];
+    for (i, s) in specials.iter().enumerate() {
+        if let Some(slot) = v.get_mut(i * 7) {
+            *slot = *s;
+        }
+    }
+    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+fn bf16(bytes: &[u8]) -> Vec<u8> {
+    bytes.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect()
+}
+
+/// The artifact the tests share: lossless f32 and bf16 (specials included), a tensor
+/// too small to pack, a quantized matrix, and an i64 tensor kept dense.
+fn write_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    let mut quant_src: Vec<u8> = weights(48 * 64, 9);
+    // quantization refuses non-finite weights: use finite values there
+    for c in quant_src.chunks_exact_mut(4) {
+        let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if !v.is_finite() {
+            c.copy_from_slice(&0.5f32.to_le_bytes());
+        }
+    }
+    let tensors = vec![
+        (
+            "emb.weight".to_string(),
+            Dtype::F32,
+            vec![200, 48],
+            weights(200 * 48, 1),
+        ),
+        (
+            "emb16.weight".to_string(),
+            Dtype::Bf16,
+            vec![100, 64],
+            bf16(&weights(100 * 64, 2)),
+        ),
+        ("norm.bias".to_string(), Dtype::F32, vec![8], weights(8, 3)),
+        (
+            "layer.0.weight".to_string(),
+            Dtype::F32,
+            vec![48, 64],
+            quant_src,
+        ),
+        (
+            "position_ids".to_string(),
+            Dtype::I64,
+            vec![1, 16],
+            (0i64..16).flat_map(i64::to_le_bytes).collect(),
+        ),
+    ];
+    let mut w = Writer::create(path).unwrap();
+    w.recipe_mut()
+        .source_metadata
+        .insert("format".into(), "pt".into());
+    for (name, dtype, shape, bytes) in &tensors {
+        match name.as_str() {
+            "layer.0.weight" => {
+                w.add_quantized(name, *dtype, shape, bytes, Format::Nf4Block(GroupSize::G32))
+                    .unwrap();
+            }
+            "position_ids" => {
+                w.add_dense(name, *dtype, shape, bytes).unwrap();
+            }
+            _ => {
+                w.add_lossless(name, *dtype, shape, bytes, 16, Coder::default())
+                    .unwrap();
+            }
+        }
+    }
+    let s = w.finish().unwrap();
+    assert_eq!((s.tensors, s.quantized), (5, 1));
+    tensors
+}
+
+#[test]
+fn round_trip_is_exact_and_deterministic() {
+    let d = tmp("rt");
+    let (a, b) = (d.join("a.cma"), d.join("b.cma"));
+    let tensors = write_sample(&a);
+    write_sample(&b);
+    assert_eq!(
+        std::fs::read(&a).unwrap(),
+        std::fs::read(&b).unwrap(),
+        "not deterministic"
+    );
+    let mut art = Artifact::open(&a, &Limits::default()).unwrap();
+    let s = art.verify().unwrap();
+    assert_eq!(s.lossless, 2);
+    assert_eq!(
+        s.dense, 2,
+        "the 8-value bias does not pay and is kept dense"
+    );
+    for (name, _, _, bytes) in &tensors {
+        let (got, exact) = art.read_tensor(name).unwrap();
+        if name == "layer.0.weight" {
+            assert!(!exact);
+            assert_eq!(got.len(), bytes.len());
+        } else {
+            assert!(exact);
+            assert!(got == *bytes, "{name} differs");
+        }
+    }
+    // unpack writes a plain safetensors file the safetensors crate reads
+    let out = d.join("out.safetensors");
+    unpack(&mut art, &out, |_, _| {}).unwrap();
+    let raw = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
+    for (name, _, shape, bytes) in &tensors {
+        let v = st.tensor(name).unwrap();
+        assert_eq!(v.shape(), shape.as_slice());
+        if name != "layer.0.weight" {
+            assert!(v.data() == bytes.as_slice(), "{name}");
+        }
+    }
+    let (_, md) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
+    assert_eq!(md.metadata().as_ref().unwrap().get("format").unwrap(), "pt");
+    // no temporary files are left
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left.len(), 3, "{left:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn a_failed_writer_leaves_nothing_behind() {
+    let d = tmp("fail");
+    let p = d.join("x.cma");
+    {
+        let mut w = Writer::create(&p).unwrap();
+        w.add_dense("a", Dtype::F32, &[2], &[0; 8]).unwrap();
+        assert!(
+            w.add_dense("a", Dtype::F32, &[2], &[0; 8]).is_err(),
+            "a name twice"
+        );
+        assert!(
+            w.add_dense("b", Dtype::F32, &[3], &[0; 8]).is_err(),
+            "bytes that do not fit"
+        );
+        assert!(
+            w.add_dense("cm.blocks/x", Dtype::U8, &[1], &[0]).is_err(),
+            "reserved name"
+        );
+        let nan = f32::NAN.to_le_bytes().repeat(4);
+        assert!(
+            w.add_quantized("q", Dtype::F32, &[2, 2], &nan, Format::Int8)
+                .is_err()
+        );
+        assert!(
+            w.add_quantized("v", Dtype::F32, &[4], &[0; 16], Format::Int8)
+                .is_err(),
+            "1-D"
+        );
+    }
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Opens and verifies; `Ok` only when both succeed.
+fn check(path: &Path, limits: &Limits) -> Result<(), Error> {
+    let a = Artifact::open(path, limits)?;
+    a.verify()?;
+    Ok(())
+}
+
+/// Flip one byte at many positions across every region, and truncate at many lengths:
+/// each is an error, none panics.
+#[test]
+fn corruption_sweep_every_case_is_an_error() {
+    let d = tmp("sweep");
+    let good = d.join("good.cma");
+    write_sample(&good);
+    let bytes = std::fs::read(&good).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let n = bytes.len();
+    let bad = d.join("bad.cma");
+    let limits = Limits::default();
+    // every byte of the length and the first 2 KiB of header, then a stride through the rest
+    let mut positions: Vec<usize> = (0..(8 + header_len).min(2048)).collect();
+    positions.extend((2048..8 + header_len).step_by(7));
+    positions.extend((8 + header_len..n).step_by(3));
+    let (mut flips, mut truncs) = (0, 0);
+    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+    for &p in &positions {
+        let mut b = bytes.clone();
+        b[p] ^= 0xff;
+        std::fs::write(&bad, &b).unwrap();
+        let e = check(&bad, &limits).expect_err(&format!(
+            "flip at {p} of {n} (header {header_len}) went unnoticed"
+        ));
+        let kind = format!("{e:?}")
+            .split([' ', '{', '('])
+            .next()
+            .unwrap()
+            .to_string();
+        *kinds.entry(kind).or_default() += 1;
+        flips += 1;
+    }
+    for len in (0..n).step_by(5).chain([n - 1]) {
+        std::fs::write(&bad, &bytes[..len]).unwrap();
+        assert!(check(&bad, &limits).is_err(), "truncated to {len}");
+        truncs += 1;
+    }
+    println!(
+        "corruption sweep over a {n}-byte artifact (header {header_len}): {flips} byte flips and {truncs} truncations, all errors; by kind: {kinds:?}"
+    );
+    assert!(flips > 1000 && truncs > 500);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn sizes_are_bounded_before_allocation() {
+    let d = tmp("bounds");
+    let good = d.join("good.cma");
+    write_sample(&good);
+    let mut b = std::fs::read(&good).unwrap();
+    // a header length of 2^62: refused before anything is allocated
+    b[..8].copy_from_slice(&(1u64 << 62).to_le_bytes());
+    let p = d.join("huge.cma");
+    std::fs::write(&p, &b).unwrap();
+    assert!(matches!(
+        Artifact::open(&p, &Limits::default()),
+        Err(Error::TooLarge { .. })
+    ));
+    // the caller's bound on the whole file
+    let limits = Limits {
+        max_total: 1000,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        Artifact::open(&good, &limits),
+        Err(Error::TooLarge { .. })
+    ));
+    let limits = Limits {
+        max_tensor: 100,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        Artifact::open(&good, &limits),
+        Err(Error::TooLarge { .. })
+    ));
+    let limits = Limits {
+        max_tensors: 2,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        Artifact::open(&good, &limits),
+        Err(Error::TooLarge { .. })
+    ));
+    std::fs::remove_dir_all(&d).unwrap();
+}
