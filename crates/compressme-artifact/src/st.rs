@@ -199,6 +199,12 @@ impl SafetensorsFile {
         file.read_exact(&mut len)
             .map_err(|_| bad(path, format!("{size} bytes, too short for a header length")))?;
         let n = u64::from_le_bytes(len);
+        if n.checked_add(8).is_none_or(|end| end > size) {
+            return Err(bad(
+                path,
+                format!("header of {n} bytes runs past the end ({size} bytes)"),
+            ));
+        }
         if n > limits.max_header {
             return Err(Error::TooLarge {
                 path: path.to_path_buf(),
@@ -206,12 +212,6 @@ impl SafetensorsFile {
                 got: n,
                 limit: limits.max_header,
             });
-        }
-        if n.checked_add(8).is_none_or(|end| end > size) {
-            return Err(bad(
-                path,
-                format!("header of {n} bytes runs past the end ({size} bytes)"),
-            ));
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header).map_err(io(path))?;

@@ -253,10 +253,15 @@ fn sizes_are_bounded_before_allocation() {
     b[..8].copy_from_slice(&(1u64 << 62).to_le_bytes());
     let p = d.join("huge.cma");
     std::fs::write(&p, &b).unwrap();
-    assert!(matches!(
-        Artifact::open(&p, &Limits::default()),
-        Err(Error::TooLarge { .. })
-    ));
+    let e = Artifact::open(&p, &Limits::default());
+    assert!(matches!(e, Err(Error::NotSafetensors { .. })), "{e:?}");
+    // a header inside the file but past the caller's bound
+    let limits = Limits {
+        max_header: 100,
+        ..Limits::default()
+    };
+    let e = Artifact::open(&good, &limits);
+    assert!(matches!(e, Err(Error::TooLarge { .. })), "{e:?}");
     // the caller's bound on the whole file
     let limits = Limits {
         max_total: 1000,

@@ -1,0 +1,217 @@
+//! `pack`, `verify`, `unpack` and `inspect` through the built binary, on the committed
+//! tiny BERT and on the real MiniLM checkpoint.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cm-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// Every tensor of `a` is in `b` with the same dtype, shape and bytes.
+fn same_tensors(a: &Path, b: &Path) -> usize {
+    let (ra, rb) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    let (sa, sb) = (
+        safetensors::SafeTensors::deserialize(&ra).unwrap(),
+        safetensors::SafeTensors::deserialize(&rb).unwrap(),
+    );
+    assert_eq!(sa.len(), sb.len());
+    for (name, va) in sa.tensors() {
+        let vb = sb.tensor(&name).unwrap();
+        assert_eq!(va.dtype(), vb.dtype(), "{name}");
+        assert_eq!(va.shape(), vb.shape(), "{name}");
+        assert!(va.data() == vb.data(), "{name} differs");
+    }
+    sa.len()
+}
+
+fn round_trip(input: &Path, d: &Path) -> (usize, serde_json::Value) {
+    let art = d.join("a.cma");
+    let out = d.join("back.safetensors");
+    let (ok, _, err) = run(&[
+        "pack",
+        input.to_str().unwrap(),
+        "--lossless",
+        "-o",
+        art.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, stdout, err) = run(&["verify", art.to_str().unwrap()]);
+    assert!(ok && stdout.contains("ok"), "{err}");
+    let (ok, _, err) = run(&["unpack", art.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let src = if input.is_dir() {
+        input.join("model.safetensors")
+    } else {
+        input.to_path_buf()
+    };
+    let n = same_tensors(&src, &out);
+    let (ok, stdout, _) = run(&["inspect", art.to_str().unwrap(), "--json"]);
+    assert!(ok);
+    (n, serde_json::from_str(&stdout).unwrap())
+}
+
+#[test]
+fn tiny_bert_round_trip_and_inspect() {
+    let d = tmp("tiny");
+    let (n, inspect) = round_trip(&root().join("fixtures/bert/tiny"), &d);
+    assert_eq!(n, 37);
+    assert_eq!(inspect["tensors"].as_array().unwrap().len(), 37);
+    assert_eq!(inspect["format"], "compressme-artifact");
+    let dense: u64 = inspect["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["dense_bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(inspect["dense_bytes"].as_u64().unwrap(), dense);
+    // quantized by pattern, embeddings kept
+    let art = d.join("q.cma");
+    let (ok, stdout, err) = run(&[
+        "pack",
+        root()
+            .join("fixtures/bert/tiny/model.safetensors")
+            .to_str()
+            .unwrap(),
+        "--format",
+        "nf4-g32",
+        "--keep",
+        "embeddings",
+        "-o",
+        art.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for t in report["tensors"].as_array().unwrap() {
+        let name = t["name"].as_str().unwrap();
+        let quantized = t["storage"] == "nf4-g32";
+        let weight2d = name.ends_with(".weight") && !name.contains("LayerNorm");
+        assert_eq!(
+            quantized,
+            weight2d && !name.contains("embeddings"),
+            "{name}"
+        );
+    }
+    let (ok, stdout, _) = run(&["inspect", art.to_str().unwrap()]);
+    assert!(
+        ok && stdout.contains("nf4-g32") && stdout.contains("total: 37 tensors"),
+        "{stdout}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn errors_are_clear_and_leave_no_output() {
+    let d = tmp("errors");
+    let out = d.join("x.cma");
+    let o = out.to_str().unwrap();
+    let tiny = root().join("fixtures/bert/tiny/model.safetensors");
+    let t = tiny.to_str().unwrap();
+    let case = |args: &[&str], needle: &str| {
+        let (ok, _, err) = run(args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!out.exists(), "{args:?} left an output");
+        let left = std::fs::read_dir(&d).unwrap().count();
+        assert_eq!(left, 0, "{args:?} left temporary files");
+    };
+    case(
+        &["pack", "/no/such/model.safetensors", "--lossless", "-o", o],
+        "/no/such/model.safetensors",
+    );
+    let junk = std::env::temp_dir().join(format!("cm-junk-{}.safetensors", std::process::id()));
+    std::fs::write(&junk, b"this is not a safetensors file at all").unwrap();
+    case(
+        &["pack", junk.to_str().unwrap(), "--lossless", "-o", o],
+        "not a valid safetensors file",
+    );
+    let plan = std::env::temp_dir().join(format!("cm-plan-{}.json", std::process::id()));
+    std::fs::write(
+        &plan,
+        r#"{"version": 1, "modules": {"encoder.layer.9.output.dense": "int8"}}"#,
+    )
+    .unwrap();
+    case(
+        &["pack", t, "--plan", plan.to_str().unwrap(), "-o", o],
+        "encoder.layer.9.output.dense",
+    );
+    std::fs::write(
+        &plan,
+        r#"{"version": 1, "modules": {"encoder.layer.0.output.dense": "int3"}}"#,
+    )
+    .unwrap();
+    case(
+        &["pack", t, "--plan", plan.to_str().unwrap(), "-o", o],
+        "int3",
+    );
+    case(&["pack", t, "--format", "nf4-g48", "-o", o], "nf4-g48");
+    case(&["pack", t, "-o", o], "--lossless");
+    case(
+        &["verify", "/no/such/artifact.cma"],
+        "/no/such/artifact.cma",
+    );
+    case(&["inspect", t], "not a compressme artifact");
+    std::fs::remove_file(&junk).unwrap();
+
+    // a plan that works records its hash, and a corrupted artifact fails verify naming
+    // the tensor and the block
+    std::fs::write(&plan, r#"{"version": 1, "modules": {"encoder.layer.0.output.dense": "int8", "embeddings.word_embeddings": "lossless"}}"#).unwrap();
+    let (ok, _, err) = run(&["pack", t, "--plan", plan.to_str().unwrap(), "-o", o]);
+    assert!(ok, "{err}");
+    let (ok, stdout, _) = run(&["inspect", o, "--json"]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["plan_sha256"].as_str().unwrap().len(), 64);
+    let mut b = std::fs::read(&out).unwrap();
+    let at = b.len() - 40; // inside the last payload
+    b[at] ^= 0x55;
+    std::fs::write(&out, &b).unwrap();
+    let (ok, _, err) = run(&["verify", o]);
+    assert!(!ok);
+    assert!(err.contains("tensor `"), "{err}");
+    std::fs::remove_file(&plan).unwrap();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn minilm_round_trip_is_byte_identical() {
+    let dir = root().join("cache/minilm");
+    if !dir.join("model.safetensors").exists() {
+        assert!(
+            std::env::var_os("COMPRESSME_REQUIRE_FIXTURES").is_none(),
+            "cache/minilm is missing; run `cargo xtask fixtures`"
+        );
+        eprintln!("skipping: cache/minilm is absent");
+        return;
+    }
+    let d = tmp("minilm");
+    let (n, inspect) = round_trip(&dir, &d);
+    assert_eq!(n, 104);
+    let ratio = inspect["ratio"].as_f64().unwrap();
+    println!(
+        "MiniLM lossless: {n} tensors byte-identical after pack/unpack, stored/dense {ratio:.4}"
+    );
+    assert!(ratio < 0.83, "{ratio}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
