@@ -178,7 +178,80 @@ fn test(args: &[String]) -> Result<(), String> {
         .current_dir(root())
         .env("COMPRESSME_REQUIRE_FIXTURES", "1")
         .args(["test", "--workspace"])
-        .args(args))
+        .args(args))?;
+    spec_check(args)
+}
+
+/// Python packages the format check needs.
+const SPEC_DEPS: [&str; 2] = ["numpy", "zstandard==0.25.0"];
+
+/// docs/FORMAT.md's promise, checked: `fixtures/artifact/decode.py` (numpy and zstandard
+/// only, written from the document) decodes artifacts the Rust code writes, in every
+/// storage kind, to the same bytes as `compressme unpack`, and decodes the frozen v1
+/// sample.
+fn spec_check(args: &[String]) -> Result<(), String> {
+    let root = root();
+    let deps = root.join("cache/pydeps");
+    if !deps.join("zstandard").exists() || !deps.join("numpy").exists() {
+        run(Command::new(python())
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--target",
+            ])
+            .arg(&deps)
+            .args(SPEC_DEPS))?;
+    }
+    let locked: Vec<&String> = args.iter().filter(|a| *a == "--locked").collect();
+    run(cargo()
+        .current_dir(&root)
+        .args(["build", "-p", "compressme"])
+        .args(locked))?;
+    let bin = root.join("target/debug/compressme");
+    let work = root.join("cache/spec-check");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).map_err(|e| e.to_string())?;
+    let tiny = root.join("fixtures/bert/tiny/model.safetensors");
+    let decode = |artifact: &Path, reference: Option<&Path>| -> Result<(), String> {
+        let mut cmd = Command::new(python());
+        cmd.env("PYTHONPATH", &deps)
+            .arg(root.join("fixtures/artifact/decode.py"))
+            .arg(artifact);
+        if let Some(r) = reference {
+            cmd.arg(r);
+        }
+        run(&mut cmd)
+    };
+    let cases: [&[&str]; 5] = [
+        &["--lossless"],
+        &["--lossless", "--zstd-level", "3"],
+        &["--lossless", "--format", "nf4-g32", "--keep", "embeddings"],
+        &["--format", "int4-g64"],
+        &["--format", "int8", "--keep", "query"],
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let art = work.join(format!("case{i}.cma"));
+        let back = work.join(format!("case{i}.safetensors"));
+        run(Command::new(&bin)
+            .arg("pack")
+            .arg(&tiny)
+            .args(*case)
+            .arg("-o")
+            .arg(&art))?;
+        run(Command::new(&bin)
+            .arg("unpack")
+            .arg(&art)
+            .arg("-o")
+            .arg(&back))?;
+        decode(&art, Some(&back))?;
+    }
+    decode(&root.join("fixtures/artifact/v1/sample.cma"), None)?;
+    std::fs::remove_dir_all(&work).map_err(|e| e.to_string())?;
+    println!("spec check: decode.py agrees with the Rust reader on every storage kind");
+    Ok(())
 }
 
 fn demo(args: &[String]) -> Result<(), String> {

@@ -289,3 +289,72 @@ fn sizes_are_bounded_before_allocation() {
     ));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/artifact/v1")
+}
+
+/// Version 1 stays readable forever: the frozen sample opens, verifies and decodes to
+/// the same bytes; its corrupt variants fail the way they always have. Regenerate only
+/// with `COMPRESSME_BLESS=1` (and only for a new version's folder).
+#[test]
+fn frozen_v1_fixtures() {
+    let dir = fixture_dir();
+    let sample = dir.join("sample.cma");
+    if std::env::var_os("COMPRESSME_BLESS").is_some() {
+        std::fs::create_dir_all(&dir).unwrap();
+        write_sample(&sample);
+        let good = std::fs::read(&sample).unwrap();
+        let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+        let mut b = good.clone();
+        let last = b.len() - 100;
+        b[last] ^= 0x01;
+        std::fs::write(dir.join("flipped_payload.cma"), &b).unwrap();
+        let mut b = good.clone();
+        b[8 + header_len / 2] ^= 0x01;
+        std::fs::write(dir.join("flipped_header.cma"), &b).unwrap();
+        std::fs::write(dir.join("truncated.cma"), &good[..good.len() - 1]).unwrap();
+        let text = String::from_utf8_lossy(&good[8..8 + header_len]).replace(
+            "\"compressme.version\":\"1\"",
+            "\"compressme.version\":\"9\"",
+        );
+        let mut b = (text.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(text.as_bytes());
+        b.extend_from_slice(&good[8 + header_len..]);
+        std::fs::write(dir.join("bad_version.cma"), &b).unwrap();
+    }
+    let mut a = Artifact::open(&sample, &Limits::default()).unwrap();
+    let s = a.verify().unwrap();
+    assert_eq!((s.tensors, s.lossless, s.quantized, s.dense), (5, 2, 1, 2));
+    // the same bytes as the writer produces today
+    let fresh = tmp("fixture").join("fresh.cma");
+    let tensors = write_sample(&fresh);
+    // today's writer gives the same recipe (but for the tool's version) and payload
+    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
+    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
+    r1.tool.clone_from(&r2.tool);
+    assert_eq!(
+        r1, r2,
+        "writer output changed: a format change needs a new version"
+    );
+    assert_eq!(a.entries(), today.entries());
+    for (name, _, _, bytes) in &tensors {
+        let (got, exact) = a.read_tensor(name).unwrap();
+        if exact {
+            assert!(got == *bytes, "{name}");
+        }
+    }
+    let open = |f: &str| Artifact::open(&dir.join(f), &Limits::default()).and_then(|a| a.verify());
+    let e = open("flipped_payload.cma");
+    assert!(
+        matches!(e, Err(Error::Blocks { .. } | Error::Digest { .. })),
+        "{e:?}"
+    );
+    let e = open("flipped_header.cma");
+    assert!(e.is_err(), "{e:?}");
+    let e = open("truncated.cma");
+    assert!(matches!(e, Err(Error::NotSafetensors { .. })), "{e:?}");
+    let e = open("bad_version.cma");
+    assert!(matches!(e, Err(Error::UnsupportedVersion { .. })), "{e:?}");
+    std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
+}
