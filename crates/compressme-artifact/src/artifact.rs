@@ -234,14 +234,23 @@ impl Writer {
                     source,
                 }
             })?;
-        let blob = store.to_bytes();
-        if blob.len() >= bytes.len() {
+        let index = store.index_bytes();
+        let blob_len = index.len() + store.payload().len();
+        if blob_len >= bytes.len() {
             let mut a = self.add_dense(name, dtype, shape, bytes)?;
             a.kept_dense = true;
             return Ok(a);
         }
         self.claim(name)?;
-        self.push(blocks_name(name), Dtype::U8, vec![blob.len()], &blob)?;
+        // index and payload written in turn: the payload is never copied
+        self.data.write_all(&index)?;
+        self.data.write_all(store.payload())?;
+        self.planned.push(Planned {
+            name: blocks_name(name),
+            dtype: Dtype::U8,
+            shape: vec![blob_len],
+            len: blob_len as u64,
+        });
         self.tensors.push(TensorRecipe {
             name: name.into(),
             dtype: dtype.name().into(),
@@ -264,7 +273,7 @@ impl Writer {
             name: name.into(),
             storage: "lossless".into(),
             dense_bytes: bytes.len() as u64,
-            stored_bytes: blob.len() as u64,
+            stored_bytes: blob_len as u64,
             kept_dense: false,
         })
     }
@@ -712,6 +721,28 @@ impl Artifact {
     /// # Errors
     /// As [`Artifact::read_stored`], and [`Error::Digest`] for a whole-tensor mismatch.
     pub fn read_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
+        let (bytes, exact) = self.decode_tensor(name)?;
+        if exact {
+            self.check_whole(name, &bytes)?;
+        }
+        Ok((bytes, exact))
+    }
+
+    /// Checks bytes against the recipe's whole-tensor SHA-256 of `name`.
+    fn check_whole(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        let want = self.tensor(name).and_then(|t| t.sha256.as_deref());
+        if want != Some(sha256_hex(bytes).as_str()) {
+            return Err(Error::Digest {
+                tensor: name.into(),
+                what: "whole tensor".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Artifact::read_tensor`] without the whole-tensor check (block digests are still
+    /// checked): the caller checks it, e.g. while writing the bytes out.
+    fn decode_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
         let t = self
             .tensor(name)
             .cloned()
@@ -735,12 +766,6 @@ impl Artifact {
                 (from_f32(dtype, &v), false)
             }
         };
-        if exact && t.sha256.as_deref() != Some(sha256_hex(&bytes).as_str()) {
-            return Err(Error::Digest {
-                tensor: name.into(),
-                what: "whole tensor".into(),
-            });
-        }
         Ok((bytes, exact))
     }
 
@@ -973,14 +998,27 @@ pub fn unpack(
     out.write_all(&header)?;
     let mut s = Summary::default();
     for (t, p) in tensors.iter().zip(&planned) {
-        let (bytes, exact) = artifact.read_tensor(&t.name)?;
+        let (bytes, exact) = artifact.decode_tensor(&t.name)?;
         if bytes.len() as u64 != p.len {
             return Err(Error::Invalid {
                 tensor: t.name.clone(),
                 reason: format!("decoded {} bytes, expected {}", bytes.len(), p.len),
             });
         }
-        out.write_all(&bytes)?;
+        // the whole-tensor check on one core while the other writes; a mismatch
+        // abandons the file before it is renamed
+        let (checked, written) = rayon::join(
+            || {
+                if exact {
+                    artifact.check_whole(&t.name, &bytes)
+                } else {
+                    Ok(())
+                }
+            },
+            || out.write_all(&bytes),
+        );
+        checked?;
+        written?;
         s.tensors += 1;
         s.dense_bytes += p.len;
         if exact {

@@ -110,10 +110,27 @@ impl<'a> Reader<'a> {
 }
 
 impl BlockStore {
-    /// Serializes the store (deterministic: the same store gives the same bytes).
+    /// Serializes the store (deterministic: the same store gives the same bytes): the
+    /// [index](BlockStore::index_bytes), then the [payload](BlockStore::payload).
     #[must_use]
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(usize::try_from(self.stored_bytes().total()).unwrap_or(0));
+        let mut out = self.index_bytes();
+        out.extend_from_slice(&self.payload);
+        out
+    }
+
+    /// The coded blocks, back to back: what follows the index in the serialized form.
+    #[must_use]
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// Everything the serialized form holds before the payload: header, tables, block
+    /// lengths, block digests and the index digest (so a writer can stream a store
+    /// without copying its payload).
+    #[must_use]
+    pub fn index_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.push(self.kind.tag());
@@ -138,7 +155,6 @@ impl BlockStore {
         // the index digest seals everything before the payload: header, tables, lengths, digests
         let index: [u8; 32] = Sha256::digest(&out).into();
         out.extend_from_slice(&index);
-        out.extend_from_slice(&self.payload);
         out
     }
 
