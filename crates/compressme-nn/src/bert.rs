@@ -197,6 +197,46 @@ impl Bert {
         Self::from_checkpoint(cfg, &ckpt)
     }
 
+    /// Loads BERT from `config.json` in `dir` and every tensor from a compressme artifact
+    /// (no original checkpoint needed): the artifact is opened and checked, every tensor
+    /// verified, and each module keeps the artifact's storage (packed linears stay packed,
+    /// a lossless table stays in its blocks).
+    ///
+    /// # Errors
+    /// As [`Bert::from_dir`], and the artifact's read and verification errors.
+    pub fn from_artifact(dir: &Path, artifact: &Path, device: &Device) -> Result<Self> {
+        use compressme_artifact::{Artifact, Dtype, Limits};
+        let dir = local_dir(dir)?;
+        let cfg = read_config(&dir.join("config.json"))?;
+        let mut a = Artifact::open(artifact, &Limits::default())?;
+        let mut tensors = HashMap::new();
+        for t in a.recipe().tensors.clone() {
+            let Some(dtype) = Dtype::parse(&t.dtype).and_then(crate::load::candle_dtype) else {
+                continue;
+            };
+            let (bytes, _) = a.read_tensor(&t.name)?;
+            tensors.insert(
+                t.name.clone(),
+                Tensor::from_raw_buffer(&bytes, dtype, &t.shape, &Device::Cpu)?,
+            );
+        }
+        let prefix = if tensors.contains_key("bert.embeddings.word_embeddings.weight") {
+            "bert."
+        } else {
+            ""
+        };
+        let ckpt = Checkpoint {
+            path: artifact.to_path_buf(),
+            tensors,
+            prefix,
+            device: device.clone(),
+        };
+        let mut bert = Self::from_checkpoint(cfg, &ckpt)?;
+        drop(ckpt);
+        crate::load::apply_artifact(&mut bert, &mut a)?;
+        Ok(bert)
+    }
+
     fn from_checkpoint(cfg: BertConfig, c: &Checkpoint) -> Result<Self> {
         let hooks = Hooks::default();
         let h = cfg.hidden_size;
@@ -463,6 +503,15 @@ impl SentenceEmbedder {
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
         let dir = local_dir(dir)?;
         let bert = Bert::from_dir(&dir, device)?;
+        Self::with_bert(&dir, bert)
+    }
+
+    /// The tokenizer and settings of folder `dir` around an already loaded encoder (one
+    /// from [`Bert::from_artifact`], say).
+    ///
+    /// # Errors
+    /// A missing or unreadable tokenizer.
+    pub fn with_bert(dir: &Path, bert: Bert) -> Result<Self> {
         let tok_path = dir.join("tokenizer.json");
         let mut tokenizer =
             tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Load {

@@ -99,6 +99,9 @@ pub enum Error {
     /// The block store refused (bad id, corrupt block, ...).
     #[error(transparent)]
     Store(#[from] compressme_blockstore::Error),
+    /// An artifact could not be read or failed verification.
+    #[error(transparent)]
+    Artifact(#[from] compressme_artifact::Error),
     /// Quantization refused.
     #[error(transparent)]
     Quant(#[from] compressme_quant::Error),

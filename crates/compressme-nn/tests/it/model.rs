@@ -314,3 +314,78 @@ fn causal_model_trains_deterministically() {
     assert_eq!(a.output_heads(), vec!["lm_head".to_string()]);
     assert_eq!(a.module_names().len(), 1 + 6 * 2 + 1);
 }
+
+/// An artifact reloads without the original checkpoint: MiniLM packed with INT8 linears
+/// and lossless embeddings gives exactly the embeddings of the same storage applied in
+/// memory; applying an artifact of another model fails and changes nothing.
+#[test]
+fn minilm_reloads_from_an_artifact_alone() {
+    use compressme_artifact::{Artifact, Checkpoint, Limits, Writer};
+    let Some(dir) = minilm_dir() else { return };
+    let tmp = std::env::temp_dir().join(format!("cm-nn-artifact-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let art = tmp.join("minilm.cma");
+    let mut ckpt = Checkpoint::open(&dir, &Limits::default()).unwrap();
+    let entries: Vec<_> = ckpt.entries().cloned().collect();
+    let mut w = Writer::create(&art).unwrap();
+    for e in &entries {
+        let bytes = ckpt.read(&e.name).unwrap();
+        let linear = e.name.starts_with("encoder.")
+            && e.name.ends_with(".weight")
+            && !e.name.contains("LayerNorm");
+        if linear {
+            w.add_quantized(&e.name, e.dtype, &e.shape, &bytes, Format::Int8)
+                .unwrap();
+        } else if e.dtype.is_float() {
+            w.add_lossless(&e.name, e.dtype, &e.shape, &bytes, 16, Default::default())
+                .unwrap();
+        } else {
+            w.add_dense(&e.name, e.dtype, &e.shape, &bytes).unwrap();
+        }
+    }
+    w.finish().unwrap();
+
+    let loaded = Bert::from_artifact(&dir, &art, &Device::Cpu).unwrap();
+    let infos = loaded.modules();
+    assert!(infos.iter().filter(|m| m.storage == "int8").count() == 36);
+    let word = infos
+        .iter()
+        .find(|m| m.name == "embeddings.word_embeddings")
+        .unwrap();
+    assert_eq!(word.storage, "lossless");
+    let from_artifact = SentenceEmbedder::with_bert(&dir, loaded).unwrap();
+
+    let mut in_memory = SentenceEmbedder::from_dir(&dir, &Device::Cpu).unwrap();
+    let changes: Vec<(String, Storage)> = infos
+        .iter()
+        .filter(|m| m.storage == "int8")
+        .map(|m| (m.name.clone(), Storage::Quant(Format::Int8)))
+        .collect();
+    in_memory.bert_mut().set_storage(&changes).unwrap();
+    assert_eq!(
+        from_artifact.embed(&SENTENCES).unwrap(),
+        in_memory.embed(&SENTENCES).unwrap(),
+        "reloaded model differs"
+    );
+
+    // the tiny BERT's artifact does not fit MiniLM: an error, and nothing changes
+    let tiny_art = tmp.join("tiny.cma");
+    let tiny = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/bert/tiny/model.safetensors");
+    let mut ckpt = Checkpoint::open(&tiny, &Limits::default()).unwrap();
+    let entries: Vec<_> = ckpt.entries().cloned().collect();
+    let mut w = Writer::create(&tiny_art).unwrap();
+    for e in &entries {
+        let bytes = ckpt.read(&e.name).unwrap();
+        w.add_dense(&e.name, e.dtype, &e.shape, &bytes).unwrap();
+    }
+    w.finish().unwrap();
+    let mut target = in_memory.bert().clone();
+    let before = weights_bits(&target);
+    let mut a = Artifact::open(&tiny_art, &Limits::default()).unwrap();
+    let e = compressme_nn::apply_artifact(&mut target, &mut a).unwrap_err();
+    assert!(matches!(e, Error::Shape(_)), "{e}");
+    assert!(e.to_string().contains("artifact tensor `embeddings."), "{e}");
+    assert_eq!(weights_bits(&target), before);
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
