@@ -385,7 +385,10 @@ fn minilm_reloads_from_an_artifact_alone() {
     let mut a = Artifact::open(&tiny_art, &Limits::default()).unwrap();
     let e = compressme_nn::apply_artifact(&mut target, &mut a).unwrap_err();
     assert!(matches!(e, Error::Shape(_)), "{e}");
-    assert!(e.to_string().contains("artifact tensor `embeddings."), "{e}");
+    assert!(
+        e.to_string().contains("artifact tensor `embeddings."),
+        "{e}"
+    );
     assert_eq!(weights_bits(&target), before);
     std::fs::remove_dir_all(&tmp).unwrap();
 }
