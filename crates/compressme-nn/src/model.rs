@@ -1,7 +1,7 @@
 //! The model trait: named modules, output heads, storage swaps and byte accounting.
 
 use compressme_quant::Format;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{Embedding, Error, Hooks, Linear, PackOptions, Result, Table, Weight};
 
@@ -17,7 +17,7 @@ pub enum Storage {
 }
 
 /// A linear or an embedding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ModuleKind {
     /// `y = x W^T + b`.

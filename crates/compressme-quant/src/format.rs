@@ -115,6 +115,14 @@ impl Format {
         }
     }
 
+    /// Bytes a `[rows, cols]` matrix takes in this format: codes, scales and minimums at
+    /// their stored width (what [`Packed::stored_bytes`] reports once quantized).
+    #[must_use]
+    pub const fn stored_bytes(self, rows: usize, cols: usize) -> usize {
+        let (n, size, mins) = self.row_params(cols);
+        rows * (self.row_code_bytes(cols) + n * size + mins * 2)
+    }
+
     /// Stored bits a weight for rows of `cols` weights (codes, scales, minimums).
     #[must_use]
     pub fn bits_per_weight(self, cols: usize) -> f64 {
