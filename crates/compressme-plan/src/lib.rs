@@ -332,14 +332,26 @@ impl Plan {
             match (s.embedding, choice) {
                 (true, Choice::Dense | Choice::Lossless)
                 | (true, Choice::Format(Format::Int8Rows | Format::Int8)) => {}
-                (true, c) => return bad(format!("an embedding takes dense, lossless or int8-rows, not {}", c.name())),
-                (false, Choice::Lossless) => return bad("lossless storage is for embeddings".into()),
-                (false, Choice::Format(Format::Int8Rows)) => return bad("int8-rows is for embeddings".into()),
+                (true, c) => {
+                    return bad(format!(
+                        "an embedding takes dense, lossless or int8-rows, not {}",
+                        c.name()
+                    ));
+                }
+                (false, Choice::Lossless) => {
+                    return bad("lossless storage is for embeddings".into());
+                }
+                (false, Choice::Format(Format::Int8Rows)) => {
+                    return bad("int8-rows is for embeddings".into());
+                }
                 (false, Choice::Format(f)) => {
                     if let Some(g) = f.group()
                         && !s.cols.is_multiple_of(g)
                     {
-                        return bad(format!("{f}: group {g} does not divide its width {}", s.cols));
+                        return bad(format!(
+                            "{f}: group {g} does not divide its width {}",
+                            s.cols
+                        ));
                     }
                 }
                 (false, Choice::Dense) => {}
@@ -366,7 +378,12 @@ impl Plan {
 
     /// [`Plan::from_importance`] with other thresholds.
     #[must_use]
-    pub fn from_importance_with(profile: &Profile, policy: Policy, f16_at: f64, int8_at: f64) -> Self {
+    pub fn from_importance_with(
+        profile: &Profile,
+        policy: Policy,
+        f16_at: f64,
+        int8_at: f64,
+    ) -> Self {
         let scores = magnitude_density(profile);
         let modules = scores
             .iter()
@@ -500,7 +517,10 @@ pub fn planned_bytes(
         .iter()
         .map(|(n, c)| {
             let s = shapes.get(n)?;
-            Some(c.bytes(s.rows, s.cols).unwrap_or(4 * (s.rows * s.cols) as u64))
+            Some(
+                c.bytes(s.rows, s.cols)
+                    .unwrap_or(4 * (s.rows * s.cols) as u64),
+            )
         })
         .sum()
 }
@@ -510,7 +530,12 @@ fn estimated_error(profile: &Profile, modules: &BTreeMap<String, Choice>) -> Opt
         .iter()
         .map(|(n, c)| match c {
             Choice::Dense | Choice::Lossless => Some(0.0),
-            Choice::Format(f) => profile.modules.get(n)?.estimated_error.get(&f.to_string()).copied(),
+            Choice::Format(f) => profile
+                .modules
+                .get(n)?
+                .estimated_error
+                .get(&f.to_string())
+                .copied(),
         })
         .sum()
 }
@@ -572,7 +597,10 @@ fn frontier(items: &[Vec<(u64, f64)>], budget: u64) -> Option<Vec<usize>> {
     // the cheapest remaining bytes bound what a partial sum may use
     let mut rest_min: Vec<u64> = vec![0; items.len() + 1];
     for i in (0..items.len()).rev() {
-        let m = items.get(i).and_then(|o| o.iter().map(|c| c.0).min()).unwrap_or(0);
+        let m = items
+            .get(i)
+            .and_then(|o| o.iter().map(|c| c.0).min())
+            .unwrap_or(0);
         rest_min[i] = rest_min[i + 1] + m;
     }
     for (i, opts) in items.iter().enumerate() {
@@ -657,7 +685,12 @@ fn lagrangian(items: &[Vec<(u64, f64)>], budget: u64) -> Vec<usize> {
         // the cheapest option of every item fits (checked by the caller)
         p = items
             .iter()
-            .map(|o| o.iter().enumerate().min_by_key(|c| c.1.0).map_or(0, |c| c.0))
+            .map(|o| {
+                o.iter()
+                    .enumerate()
+                    .min_by_key(|c| c.1.0)
+                    .map_or(0, |c| c.0)
+            })
             .collect();
     }
     // greedy repair: spend slack on the best error reduction per extra byte

@@ -380,7 +380,10 @@ impl ActivationRecorder {
                 .install(collector.clone())
                 .map_err(|source| Error::Model { batch: 0, source })?;
             for (i, b) in batches.iter().enumerate() {
-                *collector.batch.lock().unwrap_or_else(PoisonError::into_inner) = i;
+                *collector
+                    .batch
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = i;
                 if let Err(source) = forward(model, b) {
                     if let Some(e) = collector
                         .failure

@@ -1,0 +1,311 @@
+//! Profiles against direct computation, batching invariance, clean failure, and plans:
+//! JSON, the shuffled control's bytes, the budget solver against brute force.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Device, Tensor};
+use compressme_nn::causal::cyclic_batch;
+use compressme_nn::{CausalConfig, CausalLm, Model, Observer, Storage};
+use compressme_plan::{Choice, Error, Plan, Policy, shapes, solve};
+use compressme_profile::{ActivationRecorder, ProfileSettings};
+use compressme_quant::Format;
+use compressme_quant::synthetic::Rng;
+
+fn model() -> CausalLm {
+    let cfg = CausalConfig {
+        vocab: 16,
+        width: 32,
+        layers: 2,
+        heads: 2,
+        context: 16,
+    };
+    CausalLm::new(cfg, 3, &Device::Cpu).unwrap()
+}
+
+fn batches(n: usize, batch: usize) -> Vec<Tensor> {
+    let mut rng = Rng::new(11);
+    (0..n)
+        .map(|_| {
+            cyclic_batch(&mut rng, batch, 12, 16, 3, &Device::Cpu)
+                .unwrap()
+                .0
+        })
+        .collect()
+}
+
+struct Keep(Mutex<Vec<(String, Vec<f32>, usize)>>);
+impl Observer for Keep {
+    fn observe(&self, m: &str, x: &Tensor) -> compressme_nn::Result<()> {
+        let cols = *x.dims().last().unwrap();
+        self.0
+            .lock()
+            .unwrap()
+            .push((m.into(), x.flatten_all()?.to_vec1::<f32>()?, cols));
+        Ok(())
+    }
+}
+
+#[test]
+fn statistics_match_a_direct_computation() {
+    let m = model();
+    let data = batches(3, 4);
+    let p = ActivationRecorder::new(ProfileSettings::default())
+        .record(&m, &data, |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    // the same inputs, kept whole, summed here
+    let keep = Arc::new(Keep(Mutex::new(Vec::new())));
+    {
+        let _g = m.hooks().install(keep.clone()).unwrap();
+        for ids in &data {
+            m.forward(ids).unwrap();
+        }
+    }
+    let seen = keep.0.lock().unwrap();
+    for (name, s) in &p.modules {
+        let xs: Vec<f32> = seen
+            .iter()
+            .filter(|(n, ..)| n == name)
+            .flat_map(|(_, v, _)| v.clone())
+            .collect();
+        let cols = s.cols;
+        assert_eq!(s.elements as usize, xs.len(), "{name}");
+        let mean_abs = xs.iter().map(|v| f64::from(v.abs())).sum::<f64>() / xs.len() as f64;
+        let density = xs.iter().filter(|v| v.abs() > 0.01).count() as f64 / xs.len() as f64;
+        let max = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        assert!(
+            (s.mean_abs() - mean_abs).abs() <= 1e-9 * mean_abs.max(1.0),
+            "{name}"
+        );
+        assert_eq!(s.density(), density, "{name}");
+        assert_eq!(s.max_abs, max, "{name}");
+        let rows = xs.len() / cols;
+        for j in [0, cols / 2, cols - 1] {
+            let sq: f64 = (0..rows)
+                .map(|r| f64::from(xs[r * cols + j]).powi(2))
+                .sum::<f64>()
+                / rows as f64;
+            let got = s.channel_mean_sq()[j];
+            assert!(
+                (got - sq).abs() <= 1e-9 * sq.max(1e-12),
+                "{name} channel {j}"
+            );
+        }
+        if name != "tok_embeddings" {
+            assert_eq!(s.estimated_error.len(), 9, "{name}: every candidate");
+            assert!(
+                s.estimated_error["int8"] < s.estimated_error["nf4"],
+                "{name}"
+            );
+        }
+    }
+    assert_eq!(p.tokens, 3 * 4 * 12);
+}
+
+#[test]
+fn statistics_do_not_depend_on_batching() {
+    let m = model();
+    let whole = batches(1, 8);
+    let split: Vec<Tensor> = (0..8).map(|i| whole[0].narrow(0, i, 1).unwrap()).collect();
+    let rec = ActivationRecorder::new(ProfileSettings::default());
+    let a = rec
+        .record(&m, &whole, |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    let b = rec
+        .record(&m, &split, |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    for (name, sa) in &a.modules {
+        let sb = &b.modules[name];
+        assert_eq!(sa.elements, sb.elements);
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
+        assert!(close(sa.mean_abs(), sb.mean_abs()), "{name}");
+        assert!(close(sa.density(), sb.density()), "{name}");
+        assert!(
+            (sa.max_abs - sb.max_abs).abs() <= 1e-5 * sa.max_abs,
+            "{name}"
+        );
+        for (x, y) in sa.channel_mean_sq().iter().zip(sb.channel_mean_sq()) {
+            assert!(close(*x, y), "{name}");
+        }
+    }
+}
+
+#[test]
+fn failures_are_clean() {
+    let m = model();
+    let data = batches(3, 2);
+    let rec = ActivationRecorder::new(ProfileSettings::default());
+    // a model error at batch 1: named, and the observer is gone
+    let e = rec
+        .record(&m, &data, |m, ids| {
+            if ids.dims()[0] > 0 && std::ptr::eq(ids, &data[1]) {
+                return Err(compressme_nn::Error::Shape("injected".into()));
+            }
+            m.forward(ids).map(drop)
+        })
+        .unwrap_err();
+    assert!(
+        matches!(e, compressme_profile::Error::Model { batch: 1, .. }),
+        "{e}"
+    );
+    assert!(!m.hooks().installed());
+    // a NaN weight: the first module to see a NaN is named
+    let mut bad = model();
+    let name = "layers.1.mlp.down".to_string();
+    let w = vec![f32::NAN; 32 * 128];
+    let mut l = match bad.module(&name).unwrap() {
+        compressme_nn::ModuleRef::Linear(l) => l.clone(),
+        _ => unreachable!(),
+    };
+    let t = Tensor::from_vec(w, (32, 128), &Device::Cpu).unwrap();
+    l.set_weight(compressme_nn::Weight::Dense(t)).unwrap();
+    if let Some(compressme_nn::ModuleMut::Linear(slot)) = bad.module_mut(&name) {
+        *slot = l;
+    }
+    let e = rec
+        .record(&bad, &data, |m, ids| m.forward(ids).map(drop))
+        .unwrap_err();
+    assert!(
+        matches!(&e, compressme_profile::Error::NonFinite { module, .. } if module == "lm_head"),
+        "{e}"
+    );
+    assert!(!bad.hooks().installed());
+    assert!(matches!(
+        rec.record(&m, &Vec::<Tensor>::new(), |_, _: &Tensor| Ok(())),
+        Err(compressme_profile::Error::Empty)
+    ));
+}
+
+#[test]
+fn plans_round_trip_validate_and_shuffle_at_equal_bytes() {
+    let m = model();
+    let p = ActivationRecorder::new(ProfileSettings::default())
+        .record(&m, &batches(2, 4), |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    let back = compressme_profile::Profile::from_json(&p.to_json().unwrap()).unwrap();
+    assert!(back == p, "profile JSON round trip");
+    let sh = shapes(&p);
+    let plan = Plan::from_importance(&p, Policy::default());
+    assert!(
+        plan.modules
+            .values()
+            .all(|c| matches!(c, Choice::Format(_)))
+    );
+    assert!(plan.modules["lm_head"].at_least_int8(), "head floor");
+    plan.validate(&sh).unwrap();
+    assert_eq!(Plan::from_json(&plan.to_json().unwrap()).unwrap(), plan);
+    // a version-0 plan (a bare map) still reads
+    let v0 = Plan::from_json(r#"{"layers.0.attn.q": "int8", "lm_head": "f16"}"#).unwrap();
+    assert_eq!(v0.modules["layers.0.attn.q"], Choice::Format(Format::Int8));
+    assert!(Plan::from_json(r#"{"version": 7, "modules": {}}"#).is_err());
+    // validation errors
+    let mut bad = plan.clone();
+    bad.modules.insert("nope".into(), Choice::Dense);
+    assert!(matches!(bad.validate(&sh), Err(Error::UnknownModule(_))));
+    let mut bad = plan.clone();
+    bad.modules
+        .insert("lm_head".into(), Choice::Format(Format::Nf4));
+    assert!(matches!(bad.validate(&sh), Err(Error::Unsuitable { .. })));
+    bad.policy.protect_output_head = false;
+    bad.validate(&sh).unwrap();
+    let mut bad = plan.clone();
+    bad.modules
+        .insert("tok_embeddings".into(), Choice::Format(Format::Nf4));
+    assert!(matches!(bad.validate(&sh), Err(Error::Unsuitable { .. })));
+    let mut bad = plan.clone();
+    bad.modules.insert(
+        "layers.0.attn.q".into(),
+        Choice::Format(Format::Nf4Block(compressme_quant::GroupSize::G64)),
+    );
+    assert!(
+        matches!(bad.validate(&sh), Err(Error::Unsuitable { .. })),
+        "group 64 does not divide 32"
+    );
+    // shuffled controls: same bytes for several seeds, some actually different
+    let budget = Plan::within_budget(
+        &p,
+        &compressme_profile::default_candidates(),
+        plan.stored_bytes.unwrap(),
+        Policy::default(),
+    )
+    .unwrap();
+    let mut differs = 0;
+    for seed in 0..8 {
+        let s = budget.shuffled(&sh, seed);
+        assert_eq!(s.stored_bytes, budget.stored_bytes, "seed {seed}");
+        assert_eq!(s.modules["lm_head"], budget.modules["lm_head"]);
+        s.validate(&sh).unwrap();
+        differs += usize::from(s.modules != budget.modules);
+    }
+    assert!(differs > 0);
+    // the plan applies to the model
+    let mut m2 = m.clone();
+    let changes: Vec<(String, Storage)> = budget
+        .modules
+        .iter()
+        .filter_map(|(n, c)| match c {
+            Choice::Format(f) => Some((n.clone(), Storage::Quant(*f))),
+            _ => None,
+        })
+        .collect();
+    m2.set_storage(&changes).unwrap();
+}
+
+#[test]
+fn the_budget_solver_is_optimal_and_never_over_budget() {
+    let mut rng = Rng::new(5);
+    for case in 0..300 {
+        let n = 1 + (rng.next_u64() % 6) as usize;
+        let items: Vec<Vec<(u64, f64)>> = (0..n)
+            .map(|_| {
+                (0..1 + rng.next_u64() % 4)
+                    .map(|_| (1 + rng.next_u64() % 50, rng.uniform() * 10.0))
+                    .collect()
+            })
+            .collect();
+        let total_min: u64 = items
+            .iter()
+            .map(|o| o.iter().map(|c| c.0).min().unwrap())
+            .sum();
+        let budget = total_min + rng.next_u64() % 80;
+        // brute force
+        let mut best = f64::INFINITY;
+        let mut idx = vec![0usize; n];
+        loop {
+            let (b, e) = idx
+                .iter()
+                .zip(&items)
+                .fold((0, 0.0), |(b, e), (&k, o)| (b + o[k].0, e + o[k].1));
+            if b <= budget && e < best {
+                best = e;
+            }
+            let mut i = 0;
+            while i < n {
+                idx[i] += 1;
+                if idx[i] < items[i].len() {
+                    break;
+                }
+                idx[i] = 0;
+                i += 1;
+            }
+            if i == n {
+                break;
+            }
+        }
+        let (picks, exact) = solve(&items, budget).unwrap();
+        assert!(exact);
+        let (b, e) = picks
+            .iter()
+            .zip(&items)
+            .fold((0, 0.0), |(b, e), (&k, o)| (b + o[k].0, e + o[k].1));
+        assert!(b <= budget, "case {case}: {b} > {budget}");
+        assert!(
+            (e - best).abs() <= 1e-9,
+            "case {case}: {e} vs brute force {best}"
+        );
+    }
+    assert!(matches!(
+        solve(&[vec![(10, 0.0)]], 9),
+        Err(Error::Budget { smallest: 10, .. })
+    ));
+}
