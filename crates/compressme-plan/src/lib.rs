@@ -224,9 +224,11 @@ pub struct Plan {
     pub version: u32,
     /// Storage by module name; modules not named stay as they are.
     pub modules: BTreeMap<String, Choice>,
-    /// The output-head floor.
+    /// The output-head floor (default: at least INT8 for `lm_head`).
+    #[serde(default)]
     pub policy: Policy,
     /// `manual`, `thresholds`, `budget`, or `shuffled`.
+    #[serde(default = "manual_method")]
     pub method: String,
     /// The profile's model hash, when made from a profile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -246,6 +248,10 @@ pub struct Plan {
     /// The shuffled control's seed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+}
+
+fn manual_method() -> String {
+    "manual".into()
 }
 
 impl Plan {

@@ -28,5 +28,7 @@ pub use compressme_artifact as artifact;
 pub use compressme_blockstore as blockstore;
 pub use compressme_nn as nn;
 pub use compressme_nn::{PackOptions, PackedFrozenEmbedding};
+pub use compressme_plan as plan;
+pub use compressme_profile as profile;
 pub use compressme_quant as quant;
 pub use compressme_shuffle as shuffle;

@@ -215,3 +215,105 @@ fn minilm_round_trip_is_byte_identical() {
     assert!(ratio < 0.83, "{ratio}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// profile -> plan (budget, thresholds, shuffled) -> pack --plan -> verify, on MiniLM.
+#[test]
+fn profile_plan_pack_on_minilm() {
+    let dir = root().join("cache/minilm");
+    if !dir.join("model.safetensors").exists() {
+        assert!(std::env::var_os("COMPRESSME_REQUIRE_FIXTURES").is_none());
+        return;
+    }
+    let d = tmp("plan");
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let calib = root().join("fixtures/calibration/docs_128.txt");
+    let (ok, out, err) = run(&[
+        "profile",
+        dir.to_str().unwrap(),
+        "--data",
+        calib.to_str().unwrap(),
+        "-o",
+        &p("profile.json"),
+        "--batch",
+        "32",
+        "--max-len",
+        "64",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("39 modules"), "{out}");
+    let (ok, out, err) = run(&[
+        "plan",
+        &p("profile.json"),
+        "--budget-bpw",
+        "4.5",
+        "-o",
+        &p("plan.json"),
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("optimal"), "{out}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p("plan.json")).unwrap()).unwrap();
+    let weights = 10_616_832u64;
+    assert!(
+        plan["stored_bytes"].as_u64().unwrap() <= weights * 45 / 80,
+        "over budget"
+    );
+    let (ok, _, err) = run(&[
+        "plan",
+        &p("profile.json"),
+        "--budget-bpw",
+        "4.5",
+        "--shuffle-seed",
+        "3",
+        "-o",
+        &p("shuffled.json"),
+    ]);
+    assert!(ok, "{err}");
+    let shuffled: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p("shuffled.json")).unwrap()).unwrap();
+    assert_eq!(shuffled["stored_bytes"], plan["stored_bytes"]);
+    let (ok, _, err) = run(&[
+        "plan",
+        &p("profile.json"),
+        "--budget-bpw",
+        "1",
+        "-o",
+        &p("no.json"),
+    ]);
+    assert!(!ok && err.contains("cannot be met"), "{err}");
+    let (ok, _, err) = run(&[
+        "plan",
+        &p("profile.json"),
+        "--thresholds",
+        "-o",
+        &p("t.json"),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = run(&[
+        "pack",
+        dir.to_str().unwrap(),
+        "--plan",
+        &p("plan.json"),
+        "--lossless",
+        "-o",
+        &p("a.cma"),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, out, err) = run(&["inspect", &p("a.cma"), "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["output_head_policy"], "at least int8 for lm_head");
+    let planned = v["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| {
+            let s = t["storage"].as_str().unwrap();
+            s.starts_with("nf4") || s.starts_with("int")
+        })
+        .count();
+    assert_eq!(planned, 36);
+    let (ok, _, err) = run(&["verify", &p("a.cma")]);
+    assert!(ok, "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

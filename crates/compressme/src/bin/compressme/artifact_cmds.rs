@@ -11,7 +11,6 @@ use compressme::artifact::{
 use compressme::blockstore::Coder;
 use compressme::quant::Format;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Deserialize;
 
 /// How `pack` stores tensors.
 pub(crate) struct PackArgs {
@@ -25,18 +24,6 @@ pub(crate) struct PackArgs {
     pub(crate) zstd_level: Option<i32>,
     pub(crate) tables: u8,
     pub(crate) json: bool,
-}
-
-/// A plan file as `pack --plan` reads it (version 1): storage per module or tensor name.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PlanFile {
-    version: u32,
-    /// Name (a tensor, or a module: the tensor name without `.weight`) -> `dense`,
-    /// `lossless`, or a format name.
-    modules: BTreeMap<String, String>,
-    #[serde(default)]
-    output_head_policy: Option<String>,
 }
 
 enum Choice {
@@ -75,15 +62,8 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let (plan, plan_bytes) = match &a.plan {
         Some(p) => {
             let text = std::fs::read(p).with_context(|| format!("reading plan {}", p.display()))?;
-            let plan: PlanFile = serde_json::from_slice(&text)
+            let plan = compressme::plan::Plan::from_json(&String::from_utf8_lossy(&text))
                 .with_context(|| format!("{} is not a valid plan", p.display()))?;
-            if plan.version != 1 {
-                bail!(
-                    "{}: plan version {} is not supported (1)",
-                    p.display(),
-                    plan.version
-                );
-            }
             (Some(plan), Some(text))
         }
         None => (None, None),
@@ -91,33 +71,48 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     if !a.lossless && format.is_none() && plan.is_none() {
         bail!("say how to pack: --lossless, --format FORMAT, or --plan PLAN.json");
     }
-    // every plan entry must name a tensor (or a module whose weight is a tensor)
+    // every plan entry must name a module (NAME.weight) or a tensor of the checkpoint, and
+    // fit its shape
     let mut by_tensor: BTreeMap<String, Choice> = BTreeMap::new();
     if let Some(plan) = &plan {
-        for (name, storage) in &plan.modules {
+        let mut shapes = BTreeMap::new();
+        for e in ckpt.entries() {
+            if let [rows, cols] = e.shape[..] {
+                let module = e
+                    .name
+                    .strip_suffix(".weight")
+                    .unwrap_or(&e.name)
+                    .to_string();
+                let embedding = module.contains("embed");
+                let shape = compressme::plan::ModuleShape {
+                    rows,
+                    cols,
+                    embedding,
+                };
+                shapes.insert(module, shape);
+                shapes.insert(e.name.clone(), shape);
+            }
+        }
+        plan.validate(&shapes).with_context(|| {
+            format!(
+                "plan does not fit {} ({} tensors)",
+                a.input.display(),
+                names.len()
+            )
+        })?;
+        for (name, choice) in &plan.modules {
             let tensor = if names.contains(name) {
                 name.clone()
-            } else if names.contains(&format!("{name}.weight")) {
-                format!("{name}.weight")
             } else {
-                bail!(
-                    "plan names `{name}`, which is neither a tensor nor a module of {} ({} tensors)",
-                    a.input.display(),
-                    names.len()
-                );
+                format!("{name}.weight")
             };
-            let choice = match storage.as_str() {
-                "dense" => Choice::Dense,
-                "lossless" => Choice::Lossless,
-                f => {
-                    Choice::Quant(Format::parse(f).with_context(|| format!("plan entry `{name}`"))?)
-                }
+            let c = match choice {
+                compressme::plan::Choice::Dense => Choice::Dense,
+                compressme::plan::Choice::Lossless => Choice::Lossless,
+                compressme::plan::Choice::Format(f) => Choice::Quant(*f),
             };
-            by_tensor.insert(tensor, choice);
+            by_tensor.insert(tensor, c);
         }
-    }
-    if !(1..=16).contains(&a.tables) {
-        bail!("--tables must be 1 to 16, got {}", a.tables);
     }
     let coder = a.zstd_level.map_or(
         Coder::SharedHuffman {
@@ -132,7 +127,7 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     w.recipe_mut().source_metadata = ckpt.metadata().clone();
     if let (Some(plan), Some(bytes)) = (&plan, &plan_bytes) {
         w.recipe_mut().plan_sha256 = Some(sha256_hex(bytes));
-        w.recipe_mut().output_head_policy = plan.output_head_policy.clone();
+        w.recipe_mut().output_head_policy = Some(plan.policy.describe());
     }
     let pb = bar(total);
     let mut report = Vec::with_capacity(names.len());

@@ -1,6 +1,7 @@
 //! The `compressme` command-line tool.
 
 mod artifact_cmds;
+mod plan_cmds;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,6 +25,55 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Record per-module activation statistics of a BERT folder over calibration text
+    /// (one example a line), with the estimated error of each candidate format.
+    Profile {
+        /// A local model folder (config.json, model.safetensors, tokenizer.json).
+        model_dir: PathBuf,
+        /// Calibration text, one example a line.
+        #[arg(long)]
+        data: PathBuf,
+        /// The profile JSON to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Lines a batch.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// Tokens kept a line at most.
+        #[arg(long, default_value_t = 128)]
+        max_len: usize,
+        /// |x| above this counts toward density.
+        #[arg(long, default_value_t = 0.01)]
+        density_threshold: f32,
+    },
+    /// Choose a storage per module from a profile: under a budget in bits per weight
+    /// (minimising the estimated error), or by the importance thresholds.
+    Plan {
+        /// A profile from `compressme profile`.
+        profile: PathBuf,
+        /// The plan JSON to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Budget: stored bits per weight of the planned linears.
+        #[arg(long)]
+        budget_bpw: Option<f64>,
+        /// The seed's importance thresholds instead of a budget.
+        #[arg(long)]
+        thresholds: bool,
+        /// Formats the budget solver may choose (comma-separated; default: f16, int8,
+        /// nf4 and blockwise nf4/int4 at groups 32, 64, 128), besides dense f32.
+        #[arg(long)]
+        candidates: Option<String>,
+        /// Let output heads go below INT8.
+        #[arg(long)]
+        no_protect_head: bool,
+        /// Output head module names (comma-separated; default lm_head).
+        #[arg(long)]
+        heads: Option<String>,
+        /// Write the shuffled control under this seed instead.
+        #[arg(long)]
+        shuffle_seed: Option<u64>,
+    },
     /// Pack a safetensors checkpoint (a file, a folder, or a sharded index) into one
     /// verified artifact: losslessly, quantized by name pattern, or by a plan.
     Pack {
@@ -167,6 +217,40 @@ fn main() -> Result<()> {
             json,
         }),
         Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
+        Command::Profile {
+            model_dir,
+            data,
+            output,
+            batch,
+            max_len,
+            density_threshold,
+        } => plan_cmds::profile(
+            &model_dir,
+            &data,
+            &output,
+            batch,
+            max_len,
+            density_threshold,
+        ),
+        Command::Plan {
+            profile,
+            output,
+            budget_bpw,
+            thresholds,
+            candidates,
+            no_protect_head,
+            heads,
+            shuffle_seed,
+        } => plan_cmds::plan(
+            &profile,
+            &output,
+            budget_bpw,
+            thresholds,
+            candidates.as_deref(),
+            no_protect_head,
+            heads.as_deref(),
+            shuffle_seed,
+        ),
         Command::Inspect { artifact, json } => artifact_cmds::inspect(&artifact, json),
         Command::Verify { artifact } => artifact_cmds::verify(&artifact),
         Command::Embed {
