@@ -291,6 +291,24 @@ impl Writer {
         bytes: &[u8],
         format: Format,
     ) -> Result<Added> {
+        self.add_quantized_weighted(name, dtype, shape, bytes, format, &[])
+    }
+
+    /// [`Writer::add_quantized`] with activation-aware rounding for the blockwise 4-bit
+    /// formats (`importance`: one weight per column, e.g. the per-channel mean x² of the
+    /// layer's input; empty for plain absmax), see `compressme_quant::quantize_weighted`.
+    ///
+    /// # Errors
+    /// As [`Writer::add_quantized`].
+    pub fn add_quantized_weighted(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        format: Format,
+        importance: &[f32],
+    ) -> Result<Added> {
         Self::check_size(name, dtype, shape, bytes)?;
         if !dtype.is_float() || shape.len() < 2 {
             return Err(Error::Invalid {
@@ -304,11 +322,10 @@ impl Writer {
         let rows = shape.first().copied().unwrap_or(0);
         let cols = shape.iter().skip(1).product::<usize>();
         let values = to_f32(dtype, bytes);
-        let packed = compressme_quant::quantize(&values, rows, cols, format).map_err(|source| {
-            Error::Quant {
-                tensor: name.into(),
-                source,
-            }
+        let packed = compressme_quant::quantize_weighted(&values, rows, cols, format, importance)
+            .map_err(|source| Error::Quant {
+            tensor: name.into(),
+            source,
         })?;
         self.claim(name)?;
         let before: u64 = self.planned.iter().map(|p| p.len).sum();

@@ -388,6 +388,93 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
     })
 }
 
+/// Scale factors tried per group by [`quantize_weighted`], 1.0 (plain absmax) included.
+pub const SCALE_GRID: [f32; 15] = [
+    0.80, 0.825, 0.85, 0.875, 0.90, 0.925, 0.95, 0.975, 1.0, 1.025, 1.05, 1.075, 1.10, 1.125, 1.15,
+];
+
+/// Activation-aware rounding for the blockwise 4-bit formats, as llama.cpp's imatrix
+/// quantization does: each group's scale is chosen from [`SCALE_GRID`] times its absmax
+/// scale (for `Int4Block`, times its step, the minimum kept) to minimise
+/// `Σ_j importance[j] · (w_j - q(w_j))²`, where `importance` holds one weight per column
+/// (the per-channel mean x² of the layer's input). Other formats, and an `importance`
+/// of the wrong length, quantize exactly as [`quantize`] does.
+///
+/// # Errors
+/// As [`quantize`].
+pub fn quantize_weighted(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    format: Format,
+    importance: &[f32],
+) -> Result<Packed> {
+    let mut p = quantize(w, rows, cols, format)?;
+    let Some(g) = format.group() else {
+        return Ok(p);
+    };
+    if importance.len() != cols {
+        return Ok(p);
+    }
+    let rb = format.row_code_bytes(cols);
+    let ng = cols.div_ceil(g);
+    let nf4 = matches!(format, Format::Nf4Block(_));
+    for (r, row) in w.chunks_exact(cols).enumerate() {
+        for (gi, (group, imp)) in row.chunks(g).zip(importance.chunks(g)).enumerate() {
+            let k = r * ng + gi;
+            let (Some(&base), min) = (p.scales.get(k), p.mins.get(k).copied()) else {
+                continue;
+            };
+            if base <= 0.0 {
+                continue;
+            }
+            let code = |v: f32, s: f32| -> (u8, f32) {
+                if nf4 {
+                    let q = nf4_index(v / s);
+                    (
+                        q,
+                        NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0) * s,
+                    )
+                } else {
+                    let m = min.unwrap_or(0.0);
+                    let q = ((v - m) / s).round().clamp(0.0, 15.0) as u8;
+                    (q, m + f32::from(q) * s)
+                }
+            };
+            let err = |s: f32| -> f64 {
+                group
+                    .iter()
+                    .zip(imp)
+                    .map(|(&v, &i)| {
+                        let d = f64::from(v - code(v, s).1);
+                        f64::from(i) * d * d
+                    })
+                    .sum()
+            };
+            let mut best = (err(base), base);
+            for f in SCALE_GRID {
+                let s = f16_round(base * f);
+                if s.is_finite() && s > 0.0 {
+                    let e = err(s);
+                    if e < best.0 {
+                        best = (e, s);
+                    }
+                }
+            }
+            let s = best.1;
+            if let Some(slot) = p.scales.get_mut(k) {
+                *slot = s;
+            }
+            if let Some(codes) = p.codes.get_mut(r * rb..(r + 1) * rb) {
+                for (j, &v) in group.iter().enumerate() {
+                    set_nibble(codes, gi * g + j, code(v, s).0);
+                }
+            }
+        }
+    }
+    Ok(p)
+}
+
 /// A non-negative value rounded to f16, refusing what f16 cannot hold.
 fn f16_scale(v: f32) -> Result<f32> {
     let s = f16_round(v);

@@ -37,7 +37,9 @@ mod kernels;
 pub mod reference;
 pub mod synthetic;
 
-pub use format::{Format, GroupSize, NF4_CODEBOOK, Packed, quantize};
+pub use format::{
+    Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_weighted,
+};
 pub use kernels::{Backend, NF4_I8, error_bound, matmul, matmul_with};
 
 /// Result alias for this crate.

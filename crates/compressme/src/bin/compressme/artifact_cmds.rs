@@ -23,6 +23,7 @@ pub(crate) struct PackArgs {
     pub(crate) block_rows: usize,
     pub(crate) zstd_level: Option<i32>,
     pub(crate) tables: u8,
+    pub(crate) profile: Option<PathBuf>,
     pub(crate) json: bool,
 }
 
@@ -114,6 +115,15 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
             by_tensor.insert(tensor, c);
         }
     }
+    let profile = match &a.profile {
+        Some(p) => Some(
+            compressme::profile::Profile::from_json(
+                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            )
+            .with_context(|| format!("{} is not a valid profile", p.display()))?,
+        ),
+        None => None,
+    };
     let coder = a.zstd_level.map_or(
         Coder::SharedHuffman {
             max_tables: a.tables,
@@ -125,6 +135,9 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let mut w =
         Writer::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
     w.recipe_mut().source_metadata = ckpt.metadata().clone();
+    if let Some(p) = &profile {
+        w.recipe_mut().calibration_sha256 = Some(p.calibration_sha256.clone());
+    }
     if let (Some(plan), Some(bytes)) = (&plan, &plan_bytes) {
         w.recipe_mut().plan_sha256 = Some(sha256_hex(bytes));
         w.recipe_mut().output_head_policy = Some(plan.policy.describe());
@@ -155,7 +168,15 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
             Choice::Lossless => {
                 w.add_lossless(name, entry.dtype, &entry.shape, &bytes, a.block_rows, coder)?
             }
-            Choice::Quant(f) => w.add_quantized(name, entry.dtype, &entry.shape, &bytes, f)?,
+            Choice::Quant(f) => {
+                let module = name.strip_suffix(".weight").unwrap_or(name);
+                let importance: Vec<f32> = profile
+                    .as_ref()
+                    .and_then(|p| p.modules.get(module))
+                    .map(|m| m.channel_mean_sq().iter().map(|v| *v as f32).collect())
+                    .unwrap_or_default();
+                w.add_quantized_weighted(name, entry.dtype, &entry.shape, &bytes, f, &importance)?
+            }
         };
         tracing::debug!(tensor = %name, storage = %added.storage, dense = added.dense_bytes, stored = added.stored_bytes);
         if added.kept_dense && !a.json {

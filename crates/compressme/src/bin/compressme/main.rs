@@ -106,6 +106,11 @@ enum Command {
         /// better and encode slower.
         #[arg(long, default_value_t = 4)]
         tables: u8,
+        /// A profile from `compressme profile`: blockwise 4-bit formats then choose each
+        /// group's scale to minimise the activation-weighted error (imatrix-style) instead
+        /// of plain absmax.
+        #[arg(long)]
+        profile: Option<PathBuf>,
         /// Print the per-tensor report as JSON.
         #[arg(long)]
         json: bool,
@@ -203,6 +208,7 @@ fn main() -> Result<()> {
             block_rows,
             zstd_level,
             tables,
+            profile,
             json,
         } => artifact_cmds::pack(&artifact_cmds::PackArgs {
             input,
@@ -214,6 +220,7 @@ fn main() -> Result<()> {
             block_rows,
             zstd_level,
             tables,
+            profile,
             json,
         }),
         Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
