@@ -7,20 +7,10 @@
 use std::sync::Arc;
 
 use candle_core::Device;
-use compressme_benches::minilm_dir;
+use compressme_benches::{cosine, minilm_dir};
 use compressme_nn::{Model, ModuleMut, ModuleRef, SentenceEmbedder, Weight};
 use compressme_profile::{ActivationRecorder, ProfileSettings};
 use compressme_quant::{Format, GroupSize, quantize, quantize_weighted};
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let d: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(*x) * f64::from(*y))
-        .sum();
-    let n = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    d / (n(a) * n(b))
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

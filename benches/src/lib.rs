@@ -123,3 +123,15 @@ pub fn minilm_variants() -> Option<Vec<(&'static str, compressme_nn::Bert)>> {
         ("dense", dense),
     ])
 }
+
+/// Cosine similarity of two vectors (f64 sums).
+#[must_use]
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum();
+    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    dot / (norm(a) * norm(b))
+}

@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use compressme_benches::{minilm_dir, minilm_variants, random_ids};
+use compressme_benches::{cosine, minilm_dir, minilm_variants, random_ids};
 use compressme_nn::bert::mean_pool_normalize;
 use compressme_nn::{Bert, Model, SentenceEmbedder};
 
@@ -21,16 +21,6 @@ type Fallible<T> = Result<T, Box<dyn std::error::Error>>;
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(*x) * f64::from(*y))
-        .sum();
-    let n = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    dot / (n(a) * n(b))
 }
 
 fn main() -> Fallible<()> {
