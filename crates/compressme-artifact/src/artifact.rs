@@ -561,8 +561,10 @@ impl Artifact {
         let json = md
             .get(RECIPE_KEY)
             .ok_or_else(|| not("no compressme.recipe in __metadata__"))?;
-        if md.get(RECIPE_SHA_KEY).map(String::as_str) != Some(sha256_hex(json.as_bytes()).as_str())
-        {
+        let recorded = md
+            .get(RECIPE_SHA_KEY)
+            .ok_or_else(|| not("no compressme.recipe_sha256 in __metadata__"))?;
+        if *recorded != sha256_hex(json.as_bytes()) {
             return Err(Error::Digest {
                 tensor: "(recipe)".into(),
                 what: "the recipe in __metadata__".into(),

@@ -30,7 +30,7 @@ enum Command {
     Profile {
         /// A local model folder (config.json, model.safetensors, tokenizer.json).
         model_dir: PathBuf,
-        /// Calibration text, one example a line.
+        /// Calibration text, one example a line: a file, or a folder of .txt files.
         #[arg(long)]
         data: PathBuf,
         /// The profile JSON to write.
@@ -188,7 +188,26 @@ enum Command {
     },
 }
 
+/// A reader that closed the pipe (`compressme inspect x | head`) ends the run quietly, as
+/// it would for a C tool, instead of `println!` panicking.
+fn exit_quietly_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> Result<()> {
+    exit_quietly_on_broken_pipe();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_max_level(if std::env::var_os("COMPRESSME_DEBUG").is_some() {

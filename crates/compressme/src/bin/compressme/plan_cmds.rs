@@ -23,7 +23,26 @@ pub(crate) fn profile(
     let t0 = Instant::now();
     let emb = SentenceEmbedder::from_dir(model_dir, &Device::Cpu)
         .with_context(|| format!("loading {}", model_dir.display()))?;
-    let text = std::fs::read(data).with_context(|| format!("reading {}", data.display()))?;
+    // a file, or every .txt file of a folder in name order
+    let text = if data.is_dir() {
+        let mut files: Vec<_> = std::fs::read_dir(data)
+            .with_context(|| format!("reading {}", data.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{} holds no .txt files", data.display());
+        }
+        let mut all = Vec::new();
+        for f in files {
+            all.extend(std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?);
+            all.push(b'\n');
+        }
+        all
+    } else {
+        std::fs::read(data).with_context(|| format!("reading {}", data.display()))?
+    };
     let lines: Vec<&str> = std::str::from_utf8(&text)
         .with_context(|| format!("{} is not UTF-8", data.display()))?
         .lines()
