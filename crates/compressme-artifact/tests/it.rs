@@ -358,3 +358,43 @@ fn frozen_v1_fixtures() {
     assert!(matches!(e, Err(Error::UnsupportedVersion { .. })), "{e:?}");
     std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
 }
+
+/// A sharded checkpoint is read through its index JSON, from the folder or the index.
+#[test]
+fn sharded_checkpoints_read_through_their_index() {
+    use compressme_artifact::Checkpoint;
+    let d = tmp("shards");
+    let a: Vec<u8> = weights(64, 1);
+    let b: Vec<u8> = weights(32, 2);
+    let shard = |name: &str, tensor: &str, bytes: &[u8], n: usize| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], bytes).unwrap();
+        safetensors::serialize_to_file(vec![(tensor.to_string(), view)], None, &d.join(name))
+            .unwrap();
+    };
+    shard("model-00001-of-00002.safetensors", "a.weight", &a, 64);
+    shard("model-00002-of-00002.safetensors", "b.weight", &b, 32);
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        r#"{"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    for path in [d.clone(), d.join("model.safetensors.index.json")] {
+        let mut c = Checkpoint::open(&path, &Limits::default()).unwrap();
+        let names: Vec<String> = c.entries().map(|e| e.name.clone()).collect();
+        assert_eq!(names, ["a.weight", "b.weight"]);
+        assert!(c.read("a.weight").unwrap() == a);
+        assert!(c.read("b.weight").unwrap() == b);
+        assert_eq!(c.largest(), 256);
+    }
+    // an index pointing outside its folder, or naming no shards, is refused
+    std::fs::write(
+        d.join("bad.index.json"),
+        r#"{"weight_map": {"x": "../x.safetensors"}}"#,
+    )
+    .unwrap();
+    assert!(Checkpoint::open(&d.join("bad.index.json"), &Limits::default()).is_err());
+    std::fs::write(d.join("empty.index.json"), r#"{"weight_map": {}}"#).unwrap();
+    assert!(Checkpoint::open(&d.join("empty.index.json"), &Limits::default()).is_err());
+    std::fs::remove_dir_all(&d).unwrap();
+}
