@@ -26,6 +26,7 @@
 
 pub use compressme_artifact as artifact;
 pub use compressme_blockstore as blockstore;
+pub use compressme_eval as eval;
 pub use compressme_nn as nn;
 pub use compressme_nn::{PackOptions, PackedFrozenEmbedding};
 pub use compressme_plan as plan;

@@ -1,0 +1,384 @@
+//! Evaluation of language models whose storage changed: perplexity over complete
+//! documents with overlapping windows, distribution shift against the f32 reference (KL
+//! divergence, top-1 agreement, change in the correct token's probability), and paired
+//! comparisons of two variants on the same targets (bootstrap interval, sign test).
+//!
+//! Models enter as a closure from token ids to next-token logits, so any family (and any
+//! storage) can be scored; the crate holds no model code.
+//!
+//! What it is not (yet): latency and memory measurement and the offline benchmark's
+//! report, which build on these metrics.
+//!
+//! # Example
+//! ```
+//! use compressme_eval::{Window, score_documents};
+//!
+//! // a "model" that always predicts token 1 with probability ~1
+//! let logits = |ids: &[u32]| -> Result<Vec<Vec<f32>>, String> {
+//!     Ok(ids.iter().map(|_| vec![0.0, 30.0, 0.0]).collect())
+//! };
+//! let docs = vec![vec![1u32, 1, 1, 1, 1], vec![0, 1, 1]];
+//! let s = score_documents(&docs, Window { len: 3, stride: 2 }, false, logits)?;
+//! assert_eq!(s.tokens.len(), 4 + 2); // every target of every document, once
+//! assert!(s.perplexity() < 1.001); // every target is token 1
+//! # Ok::<(), compressme_eval::Error>(())
+//! ```
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+use compressme_quant::synthetic::Rng;
+use serde::Serialize;
+
+/// What can go wrong evaluating.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The model failed on a window.
+    #[error("document {doc}, window starting at token {start}: {message}")]
+    Model {
+        /// The document.
+        doc: usize,
+        /// The window's first token.
+        start: usize,
+        /// The model's error.
+        message: String,
+    },
+    /// A loss that is NaN or infinite.
+    #[error("document {doc}, token {position}: non-finite log-likelihood {value}")]
+    NonFinite {
+        /// The document.
+        doc: usize,
+        /// The target's position.
+        position: usize,
+        /// The value.
+        value: f64,
+    },
+    /// Inputs that do not fit together.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Overlapping windows: `len` tokens each, starting every `stride` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Window {
+    /// Tokens a window (the model's context).
+    pub len: usize,
+    /// Tokens between window starts (less than `len`, so windows overlap).
+    pub stride: usize,
+}
+
+/// One scored target.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenScore {
+    /// Document index.
+    pub doc: usize,
+    /// Position of the target in its document (at least 1).
+    pub position: usize,
+    /// The target token.
+    pub target: u32,
+    /// Natural-log probability the model gave it.
+    pub logprob: f64,
+    /// Tokens of context it was predicted from.
+    pub context: usize,
+}
+
+/// Every target of every document, scored once.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Scored {
+    /// In document order, then position order.
+    pub tokens: Vec<TokenScore>,
+    /// Per target, the full log-probability vector (kept on request, for KL).
+    #[serde(skip)]
+    pub distributions: Vec<Vec<f32>>,
+}
+
+impl Scored {
+    /// Mean negative log-likelihood a target.
+    #[must_use]
+    pub fn mean_nll(&self) -> f64 {
+        -self.tokens.iter().map(|t| t.logprob).sum::<f64>() / self.tokens.len().max(1) as f64
+    }
+
+    /// exp(mean NLL).
+    #[must_use]
+    pub fn perplexity(&self) -> f64 {
+        self.mean_nll().exp()
+    }
+
+    /// Per-target negative log-likelihoods.
+    #[must_use]
+    pub fn nll(&self) -> Vec<f64> {
+        self.tokens.iter().map(|t| -t.logprob).collect()
+    }
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let lse = logits
+        .iter()
+        .map(|&v| f64::from(v - max).exp())
+        .sum::<f64>()
+        .ln();
+    logits.iter().map(|&v| f64::from(v - max) - lse).collect()
+}
+
+/// Scores every target of every document exactly once (positions `1..n`; the first token
+/// has no context). Windows of `window.len` tokens start every `window.stride` tokens;
+/// each target is taken from the first window that predicts it and has not been counted,
+/// so its context is as long as the window allows. `logits(ids)` returns, for each
+/// position of `ids`, the logits of the next token.
+///
+/// # Errors
+/// [`Error::Invalid`] for a bad window or logits of the wrong shape, [`Error::Model`]
+/// naming the document and window, [`Error::NonFinite`] naming the document and position.
+pub fn score_documents(
+    docs: &[Vec<u32>],
+    window: Window,
+    keep_distributions: bool,
+    mut logits: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+) -> Result<Scored> {
+    // windows overlap by at least one token: a window's first token is predicted by the
+    // window before it
+    if window.len < 2 || window.stride == 0 || window.stride >= window.len {
+        return Err(Error::Invalid(format!(
+            "window of {} tokens with stride {}: need len >= 2 and 1 <= stride < len",
+            window.len, window.stride
+        )));
+    }
+    let mut tokens = Vec::new();
+    let mut distributions = Vec::new();
+    for (d, doc) in docs.iter().enumerate() {
+        let n = doc.len();
+        let mut counted = 1; // the next target position not yet scored
+        let mut start = 0;
+        while counted < n {
+            let end = (start + window.len).min(n);
+            let ids = doc.get(start..end).unwrap_or(&[]);
+            let out = logits(ids).map_err(|message| Error::Model {
+                doc: d,
+                start,
+                message,
+            })?;
+            if out.len() != ids.len() {
+                return Err(Error::Invalid(format!(
+                    "document {d}: {} logit rows for {} tokens",
+                    out.len(),
+                    ids.len()
+                )));
+            }
+            for position in counted.max(start + 1)..end {
+                let (Some(row), Some(&target)) = (out.get(position - 1 - start), doc.get(position))
+                else {
+                    continue;
+                };
+                let lp = log_softmax(row);
+                let logprob = lp.get(target as usize).copied().ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "document {d}: token {target} past a vocabulary of {}",
+                        lp.len()
+                    ))
+                })?;
+                if !logprob.is_finite() {
+                    return Err(Error::NonFinite {
+                        doc: d,
+                        position,
+                        value: logprob,
+                    });
+                }
+                tokens.push(TokenScore {
+                    doc: d,
+                    position,
+                    target,
+                    logprob,
+                    context: position - start,
+                });
+                if keep_distributions {
+                    distributions.push(lp.iter().map(|&v| v as f32).collect());
+                }
+            }
+            counted = end;
+            if end == n {
+                break;
+            }
+            start += window.stride;
+        }
+    }
+    Ok(Scored {
+        tokens,
+        distributions,
+    })
+}
+
+fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() - 1) as f64 * q).round() as usize;
+    v.get(i).copied().unwrap_or(f64::NAN)
+}
+
+/// How far a variant's next-token distributions moved from the reference's.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Shift {
+    /// Targets compared.
+    pub targets: usize,
+    /// Mean KL(reference || variant), nats.
+    pub kl_mean: f64,
+    /// Its 99th percentile.
+    pub kl_p99: f64,
+    /// Share of targets where both put their highest probability on the same token.
+    pub top1_agreement: f64,
+    /// Mean of p_variant(correct) - p_reference(correct).
+    pub dp_correct_mean: f64,
+    /// 99th percentile of |p_variant(correct) - p_reference(correct)|.
+    pub dp_correct_abs_p99: f64,
+}
+
+/// KL divergence, top-1 agreement and the correct token's probability change of
+/// `variant` against `reference`, both scored with `keep_distributions` on the same
+/// documents and windows (the reference should be the f32 model, not a compressed one).
+///
+/// # Errors
+/// [`Error::Invalid`] when the two were not scored on the same targets.
+pub fn shift(reference: &Scored, variant: &Scored) -> Result<Shift> {
+    let same = reference.tokens.len() == variant.tokens.len()
+        && reference.distributions.len() == reference.tokens.len()
+        && variant.distributions.len() == variant.tokens.len()
+        && reference
+            .tokens
+            .iter()
+            .zip(&variant.tokens)
+            .all(|(a, b)| (a.doc, a.position, a.target) == (b.doc, b.position, b.target));
+    if !same {
+        return Err(Error::Invalid(
+            "reference and variant were not scored on the same targets with distributions kept"
+                .into(),
+        ));
+    }
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i)
+    };
+    let (mut kls, mut dps) = (Vec::new(), Vec::new());
+    let (mut agree, mut dp_sum) = (0usize, 0f64);
+    for ((p, q), t) in reference
+        .distributions
+        .iter()
+        .zip(&variant.distributions)
+        .zip(&reference.tokens)
+    {
+        let kl: f64 = p
+            .iter()
+            .zip(q)
+            .map(|(&lp, &lq)| f64::from(lp).exp() * (f64::from(lp) - f64::from(lq)))
+            .sum();
+        kls.push(kl.max(0.0));
+        agree += usize::from(argmax(p) == argmax(q));
+        let t = t.target as usize;
+        let dp = f64::from(q.get(t).copied().unwrap_or(f32::NEG_INFINITY)).exp()
+            - f64::from(p.get(t).copied().unwrap_or(f32::NEG_INFINITY)).exp();
+        dp_sum += dp;
+        dps.push(dp.abs());
+    }
+    let n = kls.len();
+    Ok(Shift {
+        targets: n,
+        kl_mean: kls.iter().sum::<f64>() / n.max(1) as f64,
+        kl_p99: percentile(kls, 0.99),
+        top1_agreement: agree as f64 / n.max(1) as f64,
+        dp_correct_mean: dp_sum / n.max(1) as f64,
+        dp_correct_abs_p99: percentile(dps, 0.99),
+    })
+}
+
+/// Two variants on the same targets: is `b` better than `a`?
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Paired {
+    /// Targets.
+    pub targets: usize,
+    /// Mean of NLL(b) - NLL(a): negative means `b` is better.
+    pub mean_diff: f64,
+    /// 2.5th percentile of the bootstrap distribution of the mean difference.
+    pub ci_low: f64,
+    /// 97.5th percentile.
+    pub ci_high: f64,
+    /// Bootstrap resamples.
+    pub resamples: usize,
+    /// The resampling seed.
+    pub seed: u64,
+    /// Targets where `b` had the lower NLL.
+    pub b_better: usize,
+    /// Targets where `a` had the lower NLL.
+    pub a_better: usize,
+    /// Two-sided sign-test p-value (ties dropped; exact binomial).
+    pub sign_test_p: f64,
+}
+
+/// Paired comparison of per-target NLLs `a` and `b` (same targets, same order): mean
+/// difference with a percentile bootstrap interval (`resamples` resamples of targets,
+/// fixed `seed`) and a sign test.
+///
+/// # Errors
+/// [`Error::Invalid`] for lengths that differ or no targets.
+pub fn paired(a: &[f64], b: &[f64], resamples: usize, seed: u64) -> Result<Paired> {
+    if a.len() != b.len() || a.is_empty() {
+        return Err(Error::Invalid(format!(
+            "paired comparison of {} and {} targets",
+            a.len(),
+            b.len()
+        )));
+    }
+    let d: Vec<f64> = b.iter().zip(a).map(|(x, y)| x - y).collect();
+    let n = d.len();
+    let mean = d.iter().sum::<f64>() / n as f64;
+    let mut rng = Rng::new(seed);
+    let mut means = Vec::with_capacity(resamples);
+    for _ in 0..resamples.max(1) {
+        let s: f64 = (0..n)
+            .map(|_| {
+                d.get((rng.next_u64() % n as u64) as usize)
+                    .copied()
+                    .unwrap_or(0.0)
+            })
+            .sum();
+        means.push(s / n as f64);
+    }
+    let b_better = d.iter().filter(|&&x| x < 0.0).count();
+    let a_better = d.iter().filter(|&&x| x > 0.0).count();
+    Ok(Paired {
+        targets: n,
+        mean_diff: mean,
+        ci_low: percentile(means.clone(), 0.025),
+        ci_high: percentile(means, 0.975),
+        resamples: resamples.max(1),
+        seed,
+        b_better,
+        a_better,
+        sign_test_p: sign_test(b_better, a_better),
+    })
+}
+
+/// Two-sided exact binomial test of `k` successes against `m` failures at p = 1/2.
+#[must_use]
+pub fn sign_test(k: usize, m: usize) -> f64 {
+    let n = k + m;
+    if n == 0 {
+        return 1.0;
+    }
+    let lo = k.min(m);
+    // P(X <= lo) for X ~ Binomial(n, 1/2), in log space
+    let ln_choose = |n: usize, r: usize| -> f64 {
+        (1..=r)
+            .map(|i| ((n - r + i) as f64).ln() - (i as f64).ln())
+            .sum()
+    };
+    let ln_half_n = n as f64 * 0.5f64.ln();
+    let tail: f64 = (0..=lo).map(|r| (ln_choose(n, r) + ln_half_n).exp()).sum();
+    (2.0 * tail).min(1.0)
+}

@@ -1,0 +1,208 @@
+//! Windows count every target once, errors name where they happened, and the metrics on a
+//! real (small, trained) model behave.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+use std::cell::RefCell;
+
+use candle_core::{Device, Tensor};
+use compressme_eval::{Error, Window, paired, score_documents, shift, sign_test};
+
+/// A fake model over a vocabulary of 50 whose logits encode the context length.
+fn fake(
+    calls: &RefCell<Vec<Vec<u32>>>,
+) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> + '_ {
+    move |ids: &[u32]| {
+        calls.borrow_mut().push(ids.to_vec());
+        Ok(ids
+            .iter()
+            .map(|&t| {
+                (0..50)
+                    .map(|v| if v == (t + 1) % 50 { 5.0 } else { 0.0 })
+                    .collect()
+            })
+            .collect())
+    }
+}
+
+#[test]
+fn every_target_is_scored_once_with_the_longest_context_the_window_allows() {
+    for (n, len, stride) in [
+        (1usize, 4usize, 2usize),
+        (2, 4, 2),
+        (10, 4, 2),
+        (10, 4, 3),
+        (11, 5, 1),
+        (7, 10, 3),
+        (33, 8, 3),
+    ] {
+        let doc: Vec<u32> = (0..n as u32).collect();
+        let calls = RefCell::new(Vec::new());
+        let s = score_documents(
+            &[doc.clone(), doc.clone()],
+            Window { len, stride },
+            false,
+            fake(&calls),
+        )
+        .unwrap();
+        let positions: Vec<(usize, usize)> = s.tokens.iter().map(|t| (t.doc, t.position)).collect();
+        let want: Vec<(usize, usize)> = (0..2).flat_map(|d| (1..n).map(move |p| (d, p))).collect();
+        assert_eq!(positions, want, "n {n} len {len} stride {stride}");
+        for t in &s.tokens {
+            assert_eq!(t.target, t.position as u32);
+            assert!(t.context >= 1 && t.context <= len.min(t.position));
+            // a target past the first window sees at least the len - stride tokens the
+            // windows overlap by
+            if t.position >= len {
+                assert!(t.context >= (len - stride).max(1), "{t:?}");
+            }
+        }
+        // the fake model predicts every target: probability e^5 / (e^5 + 49)
+        let p = 5f64.exp() / (5f64.exp() + 49.0);
+        assert!((s.mean_nll() + p.ln()).abs() < 1e-9 || n < 2);
+        assert!(calls.borrow().iter().all(|c| c.len() <= len));
+    }
+    assert!(matches!(
+        score_documents(&[vec![1]], Window { len: 4, stride: 5 }, false, |_| Ok(
+            vec![]
+        )),
+        Err(Error::Invalid(_))
+    ));
+}
+
+#[test]
+fn errors_name_the_document_and_position() {
+    let docs = vec![vec![1u32, 2, 3], vec![4, 5, 6, 7, 8, 9]];
+    let e = score_documents(&docs, Window { len: 3, stride: 2 }, false, |ids| {
+        if ids.first() == Some(&6) {
+            Err("boom".into())
+        } else {
+            Ok(ids.iter().map(|_| vec![0.0; 10]).collect())
+        }
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Model {
+                doc: 1,
+                start: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = score_documents(&docs, Window { len: 8, stride: 4 }, false, |ids| {
+        Ok(ids
+            .iter()
+            .map(|&t| {
+                if t == 7 {
+                    vec![f32::NAN; 10]
+                } else {
+                    vec![0.0; 10]
+                }
+            })
+            .collect())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::NonFinite {
+                doc: 1,
+                position: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn paired_comparisons_and_the_sign_test() {
+    assert!((sign_test(0, 10) - 2.0 / 1024.0).abs() < 1e-12);
+    assert!((sign_test(5, 5) - 1.0).abs() < 1e-12);
+    assert!((sign_test(2, 8) - 2.0 * (1.0 + 10.0 + 45.0) / 1024.0).abs() < 1e-12);
+    let a: Vec<f64> = (0..500)
+        .map(|i| 2.0 + ((i * 37) % 11) as f64 * 0.1)
+        .collect();
+    let b: Vec<f64> = a
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x - 0.05 + if i % 7 == 0 { 0.2 } else { 0.0 })
+        .collect();
+    let p = paired(&a, &b, 1000, 42).unwrap();
+    assert_eq!(
+        p,
+        paired(&a, &b, 1000, 42).unwrap(),
+        "same seed, same interval"
+    );
+    assert!(p.ci_low <= p.mean_diff && p.mean_diff <= p.ci_high);
+    assert!(p.ci_high < 0.0, "b is better: {p:?}");
+    assert!(p.sign_test_p < 1e-6);
+    assert!(paired(&a, &b[..3], 10, 1).is_err());
+}
+
+fn logits(m: &compressme_nn::CausalLm) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> + '_ {
+    move |ids: &[u32]| {
+        let t = Tensor::new(ids, &Device::Cpu)
+            .and_then(|t| t.unsqueeze(0))
+            .map_err(|e| e.to_string())?;
+        let out = m.forward(&t).map_err(|e| e.to_string())?;
+        out.squeeze(0)
+            .and_then(|o| o.to_vec2::<f32>())
+            .map_err(|e| e.to_string())
+    }
+}
+
+#[test]
+fn a_quantized_causal_model_shifts_its_distributions() {
+    use compressme_nn::causal::cyclic_batch;
+    use compressme_nn::{AdamW, CausalConfig, CausalLm, Model, Storage};
+    use compressme_quant::Format;
+    use compressme_quant::synthetic::Rng;
+    let cfg = CausalConfig {
+        vocab: 16,
+        width: 32,
+        layers: 2,
+        heads: 2,
+        context: 16,
+    };
+    let dev = Device::Cpu;
+    let model = CausalLm::new(cfg, 7, &dev).unwrap();
+    let mut opt = AdamW::new(model.vars(), 3e-3, 0.01).unwrap();
+    let mut rng = Rng::new(1);
+    for _ in 0..120 {
+        let (ids, targets) = cyclic_batch(&mut rng, 16, 16, 16, 3, &dev).unwrap();
+        let loss = model.loss(&ids, &targets).unwrap();
+        opt.step(model.vars(), &loss.backward().unwrap()).unwrap();
+    }
+    let (docs, _) = cyclic_batch(&mut Rng::new(99), 6, 40, 16, 3, &dev).unwrap();
+    let docs: Vec<Vec<u32>> = docs.to_vec2::<u32>().unwrap();
+    let w = Window { len: 16, stride: 8 };
+    let reference = score_documents(&docs, w, true, logits(&model)).unwrap();
+    let same = score_documents(&docs, w, true, logits(&model)).unwrap();
+    let s0 = shift(&reference, &same).unwrap();
+    assert!(s0.kl_mean.abs() < 1e-6 && s0.top1_agreement == 1.0);
+    let mut q = model.clone();
+    let changes: Vec<(String, Storage)> = q
+        .module_names()
+        .into_iter()
+        .filter(|n| n != "tok_embeddings")
+        .map(|n| (n, Storage::Quant(Format::Nf4)))
+        .collect();
+    q.set_storage(&changes).unwrap();
+    let quant = score_documents(&docs, w, true, logits(&q)).unwrap();
+    let s = shift(&reference, &quant).unwrap();
+    println!(
+        "f32 ppl {:.3}, nf4 ppl {:.3}, {s:?}",
+        reference.perplexity(),
+        quant.perplexity()
+    );
+    assert_eq!(s.targets, 6 * 39);
+    assert!(s.kl_mean > 0.0 && s.kl_p99 >= s.kl_mean);
+    assert!(s.top1_agreement > 0.5);
+    let p = paired(&reference.nll(), &quant.nll(), 500, 42).unwrap();
+    assert_eq!(p.targets, 234);
+    assert!(p.ci_low <= p.mean_diff && p.mean_diff <= p.ci_high, "{p:?}");
+    assert!(p.a_better + p.b_better > 0, "NF4 changed some likelihoods");
+}
