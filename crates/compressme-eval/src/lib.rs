@@ -6,8 +6,9 @@
 //! Models enter as a closure from token ids to next-token logits, so any family (and any
 //! storage) can be scored; the crate holds no model code.
 //!
-//! What it is not (yet): latency and memory measurement and the offline benchmark's
-//! report, which build on these metrics.
+//! Also: [`time`] (warm-up, raw samples, units actually produced) and [`peak_rss_bytes`].
+//!
+//! What it is not (yet): the offline benchmark and its report, which build on these.
 //!
 //! # Example
 //! ```
@@ -381,4 +382,77 @@ pub fn sign_test(k: usize, m: usize) -> f64 {
     let ln_half_n = n as f64 * 0.5f64.ln();
     let tail: f64 = (0..=lo).map(|r| (ln_choose(n, r) + ln_half_n).exp()).sum();
     (2.0 * tail).min(1.0)
+}
+
+/// Wall-clock samples of a repeated call, kept raw beside their summary.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Timing {
+    /// Warm-up calls run first and not recorded.
+    pub warmup: usize,
+    /// Seconds a call, in the order they ran.
+    pub samples: Vec<f64>,
+    /// Units of work a call (tokens produced, for example), when the caller counts them.
+    pub units: Vec<u64>,
+    /// Median seconds.
+    pub median: f64,
+    /// Fastest sample.
+    pub min: f64,
+    /// Slowest sample.
+    pub max: f64,
+}
+
+impl Timing {
+    /// Median units a second (for example tokens a second), counting what each call
+    /// actually produced.
+    #[must_use]
+    pub fn median_rate(&self) -> f64 {
+        let rates: Vec<f64> = self
+            .samples
+            .iter()
+            .zip(&self.units)
+            .map(|(s, &u)| u as f64 / s.max(1e-12))
+            .collect();
+        percentile(rates, 0.5)
+    }
+}
+
+/// Times `call` `reps` times after `warmup` unrecorded calls. `call` returns how many
+/// units of work it did (tokens actually generated, early stops included); errors stop
+/// the measurement. Any device synchronisation belongs inside `call`.
+///
+/// # Errors
+/// The first error `call` returns.
+pub fn time<E>(
+    warmup: usize,
+    reps: usize,
+    mut call: impl FnMut() -> std::result::Result<u64, E>,
+) -> std::result::Result<Timing, E> {
+    for _ in 0..warmup {
+        call()?;
+    }
+    let (mut samples, mut units) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+    for _ in 0..reps.max(1) {
+        let t = std::time::Instant::now();
+        let u = call()?;
+        samples.push(t.elapsed().as_secs_f64());
+        units.push(u);
+    }
+    Ok(Timing {
+        warmup,
+        median: percentile(samples.clone(), 0.5),
+        min: samples.iter().copied().fold(f64::INFINITY, f64::min),
+        max: samples.iter().copied().fold(0.0, f64::max),
+        samples,
+        units,
+    })
+}
+
+/// The process's peak resident set so far, in bytes (`VmHWM` from `/proc/self/status`;
+/// `None` where that file does not exist).
+#[must_use]
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

@@ -206,3 +206,26 @@ fn a_quantized_causal_model_shifts_its_distributions() {
     assert!(p.ci_low <= p.mean_diff && p.mean_diff <= p.ci_high, "{p:?}");
     assert!(p.a_better + p.b_better > 0, "NF4 changed some likelihoods");
 }
+
+#[test]
+fn timing_keeps_raw_samples_and_counts_actual_units() {
+    let mut calls = 0u64;
+    let t = compressme_eval::time(2, 5, || -> Result<u64, String> {
+        calls += 1;
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        Ok(if calls.is_multiple_of(2) { 10 } else { 7 }) // early stops produce fewer tokens
+    })
+    .unwrap();
+    assert_eq!(calls, 7, "2 warm-up calls and 5 timed");
+    assert_eq!(t.samples.len(), 5);
+    assert_eq!(t.units, vec![7, 10, 7, 10, 7]);
+    assert!(t.min <= t.median && t.median <= t.max && t.min >= 0.002);
+    assert!(t.median_rate() > 0.0 && t.median_rate() < 10.0 / 0.002);
+    let e = compressme_eval::time(0, 3, || -> Result<u64, String> { Err("stop".into()) });
+    assert_eq!(e.unwrap_err(), "stop");
+    let before = compressme_eval::peak_rss_bytes().unwrap();
+    let big = vec![1u8; 64 << 20];
+    assert!(big.iter().step_by(4096).all(|&b| b == 1));
+    let after = compressme_eval::peak_rss_bytes().unwrap();
+    assert!(after >= before && after >= 64 << 20, "{before} -> {after}");
+}
