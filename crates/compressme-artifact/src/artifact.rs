@@ -642,6 +642,17 @@ impl Artifact {
         self.file.read(&e)
     }
 
+    /// Payload `name` as f32 values (empty when the format has none), its stored bytes
+    /// fed to `digest`.
+    fn read_floats(&mut self, name: &str, digest: &mut sha2::Sha256) -> Result<Vec<f32>> {
+        let Some(e) = self.file.entry(name).cloned() else {
+            return Ok(Vec::new());
+        };
+        let bytes = self.file.read(&e)?;
+        digest.update(&bytes);
+        Ok(to_f32(e.dtype, &bytes))
+    }
+
     /// Reads tensor `name` as stored. Lossless blocks are verified against their
     /// digests and against the recipe's block digests; packed buffers are checked
     /// against their format.
@@ -700,22 +711,8 @@ impl Artifact {
                 let mut digest = sha2::Sha256::new();
                 let codes = self.read_entry(&codes_name(name))?;
                 digest.update(&codes);
-                let scales = match self.file.entry(&scales_name(name)).cloned() {
-                    Some(e) => {
-                        let b = self.file.read(&e)?;
-                        digest.update(&b);
-                        floats(e.dtype, &b)
-                    }
-                    None => Vec::new(),
-                };
-                let mins = match self.file.entry(&mins_name(name)).cloned() {
-                    Some(e) => {
-                        let b = self.file.read(&e)?;
-                        digest.update(&b);
-                        floats(e.dtype, &b)
-                    }
-                    None => Vec::new(),
-                };
+                let scales = self.read_floats(&scales_name(name), &mut digest)?;
+                let mins = self.read_floats(&mins_name(name), &mut digest)?;
                 let d: [u8; 32] = digest.finalize().into();
                 if hex(&d) != *payload_sha256 {
                     return Err(Error::Digest {
@@ -821,10 +818,6 @@ impl Artifact {
         }
         Ok(s)
     }
-}
-
-fn floats(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
-    to_f32(dtype, bytes)
 }
 
 /// The payload tensors a recipe entry owns.

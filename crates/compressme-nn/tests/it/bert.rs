@@ -168,10 +168,8 @@ fn loading_errors_name_the_file_and_the_tensor() {
     let d = tmp.join("missing");
     edit_tiny(&d, |t| t.retain(|(n, ..)| n != q));
     let e = Bert::from_dir(&d, &Device::Cpu).unwrap_err();
-    assert!(
-        matches!(&e, Error::MissingTensor { name, .. } if name == q),
-        "{e}"
-    );
+    let ok = matches!(&e, Error::MissingTensor { name, .. } if name == q);
+    assert!(ok, "{e}");
     assert!(e.to_string().contains("model.safetensors"), "{e}");
 
     let d = tmp.join("shape");
@@ -180,10 +178,8 @@ fn loading_errors_name_the_file_and_the_tensor() {
         x.2 = vec![16, 64];
     });
     let e = Bert::from_dir(&d, &Device::Cpu).unwrap_err();
-    assert!(
-        matches!(&e, Error::TensorShape { name, got, .. } if name == q && got == &[16, 64]),
-        "{e}"
-    );
+    let ok = matches!(&e, Error::TensorShape { name, got, .. } if name == q && got == &[16, 64]);
+    assert!(ok, "{e}");
 
     let d = tmp.join("dtype");
     edit_tiny(&d, |t| {
@@ -192,20 +188,16 @@ fn loading_errors_name_the_file_and_the_tensor() {
         x.2 = vec![32, 16];
     });
     let e = Bert::from_dir(&d, &Device::Cpu).unwrap_err();
-    assert!(
-        matches!(&e, Error::TensorDtype { name, .. } if name == q),
-        "{e}"
-    );
+    let ok = matches!(&e, Error::TensorDtype { name, .. } if name == q);
+    assert!(ok, "{e}");
 
     let d = tmp.join("model-type");
     copy_tiny(&d);
     let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
     std::fs::write(d.join("config.json"), cfg.replace("\"bert\"", "\"gpt2\"")).unwrap();
     let e = Bert::from_dir(&d, &Device::Cpu).unwrap_err();
-    assert!(
-        matches!(&e, Error::UnsupportedModel { model_type, .. } if model_type == "gpt2"),
-        "{e}"
-    );
+    let ok = matches!(&e, Error::UnsupportedModel { model_type, .. } if model_type == "gpt2");
+    assert!(ok, "{e}");
     assert!(e.to_string().contains("supported: bert"), "{e}");
 
     let e = Bert::from_dir(
@@ -222,9 +214,7 @@ fn loading_errors_name_the_file_and_the_tensor() {
     let d = tmp.join("no-tokenizer");
     copy_tiny(&d);
     let e = SentenceEmbedder::from_dir(&d, &Device::Cpu).unwrap_err();
-    assert!(
-        matches!(&e, Error::Load { path, .. } if path.ends_with("tokenizer.json")),
-        "{e}"
-    );
+    let ok = matches!(&e, Error::Load { path, .. } if path.ends_with("tokenizer.json"));
+    assert!(ok, "{e}");
     std::fs::remove_dir_all(&tmp).unwrap();
 }

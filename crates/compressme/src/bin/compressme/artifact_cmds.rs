@@ -13,17 +13,44 @@ use compressme::quant::Format;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// How `pack` stores tensors.
+#[derive(clap::Args)]
 pub(crate) struct PackArgs {
+    /// model.safetensors, a model folder, or model.safetensors.index.json.
     pub(crate) input: PathBuf,
+    /// The artifact to write (written beside it and renamed when verified).
+    #[arg(short, long)]
     pub(crate) output: PathBuf,
+    /// Store every float tensor in lossless row blocks where that is smaller (and
+    /// tensors that --format or --plan leave alone, when given with them).
+    #[arg(long)]
     pub(crate) lossless: bool,
+    /// Quantize every float tensor of 2+ dimensions to this format (f16, bf16, int8,
+    /// nf4, nf4-g32/64/128, int4-g32/64/128), except those --keep matches.
+    #[arg(long)]
     pub(crate) format: Option<String>,
+    /// A regular expression of tensor names --format leaves alone (e.g. 'lm_head|embed').
+    #[arg(long)]
     pub(crate) keep: Option<String>,
+    /// A plan JSON: {"version": 1, "modules": {"NAME": "nf4-g64" | "int8" | "lossless" | "dense", ...}}.
+    #[arg(long)]
     pub(crate) plan: Option<PathBuf>,
+    /// Rows per lossless block.
+    #[arg(long, default_value_t = 16)]
     pub(crate) block_rows: usize,
+    /// Code lossless planes with Zstandard at this level instead of shared Huffman tables.
+    #[arg(long)]
     pub(crate) zstd_level: Option<i32>,
+    /// Shared Huffman tables per byte plane (1-16): more tables fit unusual blocks
+    /// better and encode slower.
+    #[arg(long, default_value_t = 4)]
     pub(crate) tables: u8,
+    /// A profile from `compressme profile`: blockwise 4-bit formats then choose each
+    /// group's scale to minimise the activation-weighted error (imatrix-style) instead
+    /// of plain absmax.
+    #[arg(long)]
     pub(crate) profile: Option<PathBuf>,
+    /// Print the per-tensor report as JSON.
+    #[arg(long)]
     pub(crate) json: bool,
 }
 

@@ -76,45 +76,7 @@ enum Command {
     },
     /// Pack a safetensors checkpoint (a file, a folder, or a sharded index) into one
     /// verified artifact: losslessly, quantized by name pattern, or by a plan.
-    Pack {
-        /// model.safetensors, a model folder, or model.safetensors.index.json.
-        input: PathBuf,
-        /// The artifact to write (written beside it and renamed when verified).
-        #[arg(short, long)]
-        output: PathBuf,
-        /// Store every float tensor in lossless row blocks where that is smaller (and
-        /// tensors that --format or --plan leave alone, when given with them).
-        #[arg(long)]
-        lossless: bool,
-        /// Quantize every float tensor of 2+ dimensions to this format (f16, bf16, int8,
-        /// nf4, nf4-g32/64/128, int4-g32/64/128), except those --keep matches.
-        #[arg(long)]
-        format: Option<String>,
-        /// A regular expression of tensor names --format leaves alone (e.g. 'lm_head|embed').
-        #[arg(long)]
-        keep: Option<String>,
-        /// A plan JSON: {"version": 1, "modules": {"NAME": "nf4-g64" | "int8" | "lossless" | "dense", ...}}.
-        #[arg(long)]
-        plan: Option<PathBuf>,
-        /// Rows per lossless block.
-        #[arg(long, default_value_t = 16)]
-        block_rows: usize,
-        /// Code lossless planes with Zstandard at this level instead of shared Huffman tables.
-        #[arg(long)]
-        zstd_level: Option<i32>,
-        /// Shared Huffman tables per byte plane (1-16): more tables fit unusual blocks
-        /// better and encode slower.
-        #[arg(long, default_value_t = 4)]
-        tables: u8,
-        /// A profile from `compressme profile`: blockwise 4-bit formats then choose each
-        /// group's scale to minimise the activation-weighted error (imatrix-style) instead
-        /// of plain absmax.
-        #[arg(long)]
-        profile: Option<PathBuf>,
-        /// Print the per-tensor report as JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    Pack(artifact_cmds::PackArgs),
     /// Write a plain safetensors file from an artifact (byte-identical for lossless and
     /// dense tensors, dequantized for quantized ones).
     Unpack {
@@ -217,31 +179,7 @@ fn main() -> Result<()> {
         })
         .init();
     match Cli::parse().command {
-        Command::Pack {
-            input,
-            output,
-            lossless,
-            format,
-            keep,
-            plan,
-            block_rows,
-            zstd_level,
-            tables,
-            profile,
-            json,
-        } => artifact_cmds::pack(&artifact_cmds::PackArgs {
-            input,
-            output,
-            lossless,
-            format,
-            keep,
-            plan,
-            block_rows,
-            zstd_level,
-            tables,
-            profile,
-            json,
-        }),
+        Command::Pack(args) => artifact_cmds::pack(&args),
         Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
         Command::Profile {
             model_dir,
