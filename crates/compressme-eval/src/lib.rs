@@ -8,7 +8,11 @@
 //!
 //! Also: [`time`] (warm-up, raw samples, units actually produced) and [`peak_rss_bytes`].
 //!
-//! What it is not (yet): the offline benchmark and its report, which build on these.
+//! For models without a language-model head (sentence embedders): [`embedding_agreement`]
+//! (cosine to the reference and nearest-neighbour retrieval agreement).
+//!
+//! What it is not: the offline benchmark and its report (`compressme-offline` builds them
+//! on these), or any model code.
 //!
 //! # Example
 //! ```
@@ -67,8 +71,18 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct Window {
     /// Tokens a window (the model's context).
     pub len: usize,
-    /// Tokens between window starts (less than `len`, so windows overlap).
+    /// Tokens between window starts. A stride of `len` or more would leave targets
+    /// that no window predicts (a window's first token has no context inside it), so
+    /// windows then advance by `len - 1`: every target is still scored once.
     pub stride: usize,
+}
+
+impl Window {
+    /// How far windows actually advance: `stride`, at most `len - 1`.
+    #[must_use]
+    pub fn step(&self) -> usize {
+        self.stride.min(self.len.saturating_sub(1)).max(1)
+    }
 }
 
 /// One scored target.
@@ -127,7 +141,7 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
 }
 
 /// Scores every target of every document exactly once (positions `1..n`; the first token
-/// has no context). Windows of `window.len` tokens start every `window.stride` tokens;
+/// has no context). Windows of `window.len` tokens start every [`Window::step`] tokens;
 /// each target is taken from the first window that predicts it and has not been counted,
 /// so its context is as long as the window allows. `logits(ids)` returns, for each
 /// position of `ids`, the logits of the next token.
@@ -141,11 +155,11 @@ pub fn score_documents(
     keep_distributions: bool,
     mut logits: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
 ) -> Result<Scored> {
-    // windows overlap by at least one token: a window's first token is predicted by the
-    // window before it
-    if window.len < 2 || window.stride == 0 || window.stride >= window.len {
+    // windows overlap by at least one token (see `Window::step`): a window's first token
+    // is predicted by the window before it
+    if window.len < 2 || window.stride == 0 {
         return Err(Error::Invalid(format!(
-            "window of {} tokens with stride {}: need len >= 2 and 1 <= stride < len",
+            "window of {} tokens with stride {}: need len >= 2 and stride >= 1",
             window.len, window.stride
         )));
     }
@@ -204,7 +218,7 @@ pub fn score_documents(
             if end == n {
                 break;
             }
-            start += window.stride;
+            start += window.step();
         }
     }
     Ok(Scored {
@@ -455,4 +469,90 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Resets the process's peak resident set to its current size (writes `5` to
+/// `/proc/self/clear_refs`, Linux 4.0 and later), so that [`peak_rss_bytes`] then
+/// measures one stage. Returns whether the reset happened.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// How closely a variant's sentence embeddings follow the reference's.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EmbeddingAgreement {
+    /// Embeddings compared.
+    pub items: usize,
+    /// Mean cosine similarity between each item's reference and variant embedding.
+    pub cosine_mean: f64,
+    /// The lowest.
+    pub cosine_min: f64,
+    /// Share of items whose nearest other item (by cosine) is the same under both.
+    pub retrieval_top1_agreement: f64,
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        let (x, y) = (f64::from(x), f64::from(y));
+        ab += x * y;
+        aa += x * x;
+        bb += y * y;
+    }
+    if aa == 0.0 || bb == 0.0 {
+        return if aa == bb { 1.0 } else { 0.0 };
+    }
+    ab / (aa.sqrt() * bb.sqrt())
+}
+
+fn nearest(items: &[Vec<f32>], i: usize) -> Option<usize> {
+    let q = items.get(i)?;
+    items
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != i)
+        .map(|(j, v)| (j, cosine(q, v)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(j, _)| j)
+}
+
+/// Cosine similarity of each item's `variant` embedding to its `reference` embedding, and
+/// nearest-neighbour retrieval agreement: for each item, is its most similar other item
+/// the same under both? (Needs at least two items for retrieval.)
+///
+/// # Errors
+/// [`Error::Invalid`] for lists of different lengths, no items, or embeddings whose
+/// widths differ.
+pub fn embedding_agreement(
+    reference: &[Vec<f32>],
+    variant: &[Vec<f32>],
+) -> Result<EmbeddingAgreement> {
+    if reference.len() != variant.len()
+        || reference.is_empty()
+        || reference
+            .iter()
+            .zip(variant)
+            .any(|(a, b)| a.len() != b.len())
+    {
+        return Err(Error::Invalid(format!(
+            "embedding comparison of {} and {} items (or of different widths)",
+            reference.len(),
+            variant.len()
+        )));
+    }
+    let cos: Vec<f64> = reference
+        .iter()
+        .zip(variant)
+        .map(|(a, b)| cosine(a, b))
+        .collect();
+    let n = reference.len();
+    let agree = (0..n)
+        .filter(|&i| nearest(reference, i) == nearest(variant, i))
+        .count();
+    Ok(EmbeddingAgreement {
+        items: n,
+        cosine_mean: cos.iter().sum::<f64>() / n as f64,
+        cosine_min: cos.iter().copied().fold(f64::INFINITY, f64::min),
+        retrieval_top1_agreement: agree as f64 / n as f64,
+    })
 }

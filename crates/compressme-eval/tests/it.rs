@@ -24,49 +24,74 @@ fn fake(
     }
 }
 
+/// Brute force: windows start at every multiple of `min(stride, len - 1)` below `n`; a
+/// target `p` (1..n) is scored by the first window holding both `p - 1` and `p`.
+fn brute_force(n: usize, len: usize, stride: usize) -> Vec<(usize, usize)> {
+    let step = stride.min(len - 1);
+    let starts: Vec<usize> = (0..n).step_by(step).collect();
+    (1..n)
+        .map(|p| {
+            let start = starts
+                .iter()
+                .copied()
+                .find(|&s| s < p && p < s + len)
+                .expect("some window covers every target");
+            (p, p - start)
+        })
+        .collect()
+}
+
 #[test]
 fn every_target_is_scored_once_with_the_longest_context_the_window_allows() {
-    for (n, len, stride) in [
-        (1usize, 4usize, 2usize),
-        (2, 4, 2),
-        (10, 4, 2),
-        (10, 4, 3),
-        (11, 5, 1),
-        (7, 10, 3),
-        (33, 8, 3),
-    ] {
-        let doc: Vec<u32> = (0..n as u32).collect();
-        let calls = RefCell::new(Vec::new());
-        let s = score_documents(
-            &[doc.clone(), doc.clone()],
-            Window { len, stride },
-            false,
-            fake(&calls),
-        )
-        .unwrap();
-        let positions: Vec<(usize, usize)> = s.tokens.iter().map(|t| (t.doc, t.position)).collect();
-        let want: Vec<(usize, usize)> = (0..2).flat_map(|d| (1..n).map(move |p| (d, p))).collect();
-        assert_eq!(positions, want, "n {n} len {len} stride {stride}");
-        for t in &s.tokens {
-            assert_eq!(t.target, t.position as u32);
-            assert!(t.context >= 1 && t.context <= len.min(t.position));
-            // a target past the first window sees at least the len - stride tokens the
-            // windows overlap by
-            if t.position >= len {
-                assert!(t.context >= (len - stride).max(1), "{t:?}");
+    // every combination: documents shorter than a window, stride 1, stride = len - 1,
+    // stride = len and stride > len
+    for n in 0..=24usize {
+        for len in 2..=9usize {
+            for stride in 1..=12usize {
+                let doc: Vec<u32> = (0..n as u32).collect();
+                let calls = RefCell::new(Vec::new());
+                let s = score_documents(
+                    &[doc.clone(), vec![7], doc.clone()],
+                    Window { len, stride },
+                    false,
+                    fake(&calls),
+                )
+                .unwrap();
+                let got: Vec<(usize, usize, usize)> = s
+                    .tokens
+                    .iter()
+                    .map(|t| (t.doc, t.position, t.context))
+                    .collect();
+                let want: Vec<(usize, usize, usize)> = [0usize, 2]
+                    .into_iter()
+                    .flat_map(|d| {
+                        brute_force(n, len, stride)
+                            .into_iter()
+                            .map(move |(p, c)| (d, p, c))
+                    })
+                    .collect();
+                assert_eq!(got, want, "n {n} len {len} stride {stride}");
+                for t in &s.tokens {
+                    assert_eq!(t.target, t.position as u32);
+                    // past the first window, a target sees at least the tokens windows
+                    // overlap by
+                    let overlap = len - stride.min(len - 1);
+                    assert!(t.context >= overlap.min(t.position), "{t:?}");
+                }
+                // the fake model predicts every target: probability e^5 / (e^5 + 49)
+                let p = 5f64.exp() / (5f64.exp() + 49.0);
+                assert!(n < 2 || (s.mean_nll() + p.ln()).abs() < 1e-9);
+                // every call is a slice of a document, no longer than the window
+                assert!(calls.borrow().iter().all(|c| c.len() <= len
+                    && (c.is_empty() || doc.windows(c.len()).any(|w| w == &c[..]))));
             }
         }
-        // the fake model predicts every target: probability e^5 / (e^5 + 49)
-        let p = 5f64.exp() / (5f64.exp() + 49.0);
-        assert!((s.mean_nll() + p.ln()).abs() < 1e-9 || n < 2);
-        assert!(calls.borrow().iter().all(|c| c.len() <= len));
     }
-    assert!(matches!(
-        score_documents(&[vec![1]], Window { len: 4, stride: 5 }, false, |_| Ok(
-            vec![]
-        )),
-        Err(Error::Invalid(_))
-    ));
+    for bad in [Window { len: 1, stride: 1 }, Window { len: 4, stride: 0 }] {
+        let r = score_documents(&[vec![1, 2]], bad, false, |_| Ok(vec![]));
+        let ok = matches!(r, Err(Error::Invalid(_)));
+        assert!(ok, "{bad:?} accepted");
+    }
 }
 
 #[test]
@@ -132,6 +157,12 @@ fn paired_comparisons_and_the_sign_test() {
         paired(&a, &b, 1000, 42).unwrap(),
         "same seed, same interval"
     );
+    let other = paired(&a, &b, 1000, 43).unwrap();
+    assert!(
+        (other.ci_low, other.ci_high) != (p.ci_low, p.ci_high),
+        "the seed drives the resampling"
+    );
+    assert_eq!(other.mean_diff, p.mean_diff);
     assert!(p.ci_low <= p.mean_diff && p.mean_diff <= p.ci_high);
     assert!(p.ci_high < 0.0, "b is better: {p:?}");
     assert!(p.sign_test_p < 1e-6);
@@ -224,4 +255,43 @@ fn timing_keeps_raw_samples_and_counts_actual_units() {
     assert!(big.iter().step_by(4096).all(|&b| b == 1));
     let after = compressme_eval::peak_rss_bytes().unwrap();
     assert!(after >= before && after >= 64 << 20, "{before} -> {after}");
+}
+
+#[test]
+fn embedding_agreement_measures_cosine_and_nearest_neighbours() {
+    let reference = vec![
+        vec![1.0f32, 0.0, 0.0],
+        vec![0.9, 0.1, 0.0],
+        vec![0.0, 1.0, 0.0],
+        vec![0.0, 0.9, 0.2],
+    ];
+    let same = compressme_eval::embedding_agreement(&reference, &reference).unwrap();
+    assert_eq!(same.items, 4);
+    assert!((same.cosine_mean - 1.0).abs() < 1e-12 && same.retrieval_top1_agreement == 1.0);
+    // move item 1 next to item 3: its own cosine drops; item 0 loses its neighbour, items
+    // 1 and 3 become each other's; only item 2 keeps item 3
+    let mut moved = reference.clone();
+    moved[1] = vec![0.0, 0.9, 0.25];
+    let a = compressme_eval::embedding_agreement(&reference, &moved).unwrap();
+    assert!(a.cosine_min < 0.2 && a.cosine_mean < 0.8, "{a:?}");
+    assert!((a.retrieval_top1_agreement - 0.25).abs() < 1e-12, "{a:?}");
+    assert!(compressme_eval::embedding_agreement(&reference, &moved[..2]).is_err());
+    assert!(compressme_eval::embedding_agreement(&[], &[]).is_err());
+}
+
+#[test]
+fn peak_memory_can_be_reset_between_stages() {
+    let Some(before) = compressme_eval::peak_rss_bytes() else {
+        return; // no /proc on this system
+    };
+    let big = vec![1u8; 64 << 20];
+    let touched: u64 = big.iter().step_by(4096).map(|&b| u64::from(b)).sum();
+    assert!(touched > 0);
+    let peak = compressme_eval::peak_rss_bytes().unwrap();
+    assert!(peak >= before + (32 << 20), "{before} -> {peak}");
+    drop(big);
+    if compressme_eval::reset_peak_rss() {
+        let after = compressme_eval::peak_rss_bytes().unwrap();
+        assert!(after + (32 << 20) <= peak, "reset: {peak} -> {after}");
+    }
 }
