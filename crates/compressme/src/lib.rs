@@ -8,7 +8,10 @@
 //! - [`nn`] ([`compressme_nn`]): candle layers on packed storage, such as
 //!   [`PackedFrozenEmbedding`];
 //! - [`quant`] ([`compressme_quant`]): weight formats (f16, bf16, INT8, NF4, blockwise
-//!   4-bit) and kernels that read packed weights directly.
+//!   4-bit) and kernels that read packed weights directly;
+//! - [`artifact`], [`profile`], [`plan`], [`eval`]: the stored file, activation profiles,
+//!   precision plans, evaluation metrics;
+//! - [`offline`] ([`compressme_offline`]): the offline benchmark behind `compressme bench`.
 //!
 //! What it is not: a place for codecs or model code of its own.
 //!
@@ -29,6 +32,7 @@ pub use compressme_blockstore as blockstore;
 pub use compressme_eval as eval;
 pub use compressme_nn as nn;
 pub use compressme_nn::{PackOptions, PackedFrozenEmbedding};
+pub use compressme_offline as offline;
 pub use compressme_plan as plan;
 pub use compressme_profile as profile;
 pub use compressme_quant as quant;

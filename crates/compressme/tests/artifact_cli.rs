@@ -315,5 +315,31 @@ fn profile_plan_pack_on_minilm() {
     assert_eq!(planned, 36);
     let (ok, _, err) = run(&["verify", &p("a.cma")]);
     assert!(ok, "{err}");
+    // the packed model against f32 on held-out sentences
+    let heldout = d.join("heldout.txt");
+    std::fs::write(
+        &heldout,
+        "A man is playing a guitar.\nSomeone plays an instrument on stage.\nThe stock market fell sharply today.\nShares dropped at the close of trading.\nA cat sleeps on the warm windowsill.\nThe kitten is napping in the sun.\n",
+    )
+    .unwrap();
+    let (ok, out, err) = run(&[
+        "evaluate",
+        &p("a.cma"),
+        "--reference",
+        dir.to_str().unwrap(),
+        "--data",
+        heldout.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let e: serde_json::Value = serde_json::from_str(&out).unwrap();
+    println!("MiniLM at 4.5 bits/weight against f32: {e}");
+    assert_eq!(e["items"], 6);
+    let cos = e["cosine_mean"].as_f64().unwrap();
+    assert!(cos > 0.9 && cos < 1.0, "{cos}");
+    let agree = e["retrieval_top1_agreement"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&agree));
+    let (ok, _, err) = run(&["evaluate", &p("a.cma"), "--data", heldout.to_str().unwrap()]);
+    assert!(!ok && err.contains("--reference"), "{err}");
     std::fs::remove_dir_all(&d).unwrap();
 }

@@ -1,6 +1,7 @@
 //! The `compressme` command-line tool.
 
 mod artifact_cmds;
+mod eval_cmds;
 mod plan_cmds;
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The offline benchmark (the main job): train a small causal model on a synthetic
+    /// task, store it in every compared way, reload each, and report storage, perplexity,
+    /// KL, top-1 agreement, paired intervals, timing and peak memory (JSON, table, chart);
+    /// or replay a report and check that it reproduces.
+    Bench(eval_cmds::BenchArgs),
+    /// Quality of a stored model on held-out data against its f32 reference: perplexity,
+    /// KL and top-1 agreement (causal artifacts), or sentence-embedding cosine and
+    /// retrieval agreement (BERT).
+    Evaluate(eval_cmds::EvaluateArgs),
     /// Record per-module activation statistics of a BERT folder over calibration text
     /// (one example a line), with the estimated error of each candidate format.
     Profile {
@@ -179,6 +189,8 @@ fn main() -> Result<()> {
         })
         .init();
     match Cli::parse().command {
+        Command::Bench(args) => eval_cmds::bench(&args),
+        Command::Evaluate(args) => eval_cmds::evaluate(&args),
         Command::Pack(args) => artifact_cmds::pack(&args),
         Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
         Command::Profile {

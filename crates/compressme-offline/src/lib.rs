@@ -1,0 +1,281 @@
+//! The offline benchmark: the project's main job, with no download and no accelerator.
+//!
+//! [`run`] trains the small causal model of `compressme-nn` from scratch on the synthetic
+//! cyclic-symbol task under a seed, profiles it on calibration sequences, stores it in
+//! every compared way (FP32; uniform INT8, NF4 and blockwise NF4; the activation-guided
+//! plan at the seed's thresholds; the budget solver's plan at the same bytes; shuffled
+//! controls of the same bytes; a lossless embedding; candle's Q8_0 and Q4_0), writes each
+//! to a file, reloads it, and evaluates it on separate evaluation sequences: perplexity,
+//! KL divergence and top-1 agreement against FP32, paired intervals, raw timing samples,
+//! peak memory, storage. The [`Report`] is JSON; [`markdown`] and [`svg_chart`] render it.
+//! [`replay`] re-runs a report's configuration and lists every field that did not
+//! reproduce.
+//!
+//! What it is: a functional experiment on a synthetic task, measuring the whole pipeline
+//! end to end. What it is not: a pretrained-language-model result; the model has a few
+//! hundred thousand weights and the task a handful of rules.
+//!
+//! # Example
+//! ```no_run
+//! use compressme_offline::{Config, NoProgress, run, markdown};
+//!
+//! let cfg = Config { steps: 50, ..Config::default() };
+//! let report = run(&cfg, std::path::Path::new("target/offline"), &NoProgress)?;
+//! println!("{}", markdown(&report));
+//! # Ok::<(), compressme_offline::Error>(())
+//! ```
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+mod chart;
+mod replay;
+mod report;
+mod run;
+pub mod task;
+
+pub use chart::svg_chart;
+pub use replay::{Difference, Tolerance, compare};
+pub use report::{
+    Corpus, ModuleBytes, PairedRow, Report, Storage, Training, Variant, VariantTiming, markdown,
+};
+pub use run::run;
+
+use compressme_nn::CausalConfig;
+use serde::{Deserialize, Serialize};
+
+/// Report layout version.
+pub const REPORT_VERSION: u32 = 1;
+
+/// What can go wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The model layer's.
+    #[error(transparent)]
+    Nn(#[from] compressme_nn::Error),
+    /// candle's.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// Reading or writing an artifact.
+    #[error(transparent)]
+    Artifact(#[from] compressme_artifact::Error),
+    /// Profiling.
+    #[error(transparent)]
+    Profile(#[from] compressme_profile::Error),
+    /// Planning.
+    #[error(transparent)]
+    Plan(#[from] compressme_plan::Error),
+    /// Evaluating.
+    #[error(transparent)]
+    Eval(#[from] compressme_eval::Error),
+    /// Files.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A report that is not one.
+    #[error("report: {0}")]
+    Json(String),
+    /// Drawing the chart.
+    #[error("chart: {0}")]
+    Chart(String),
+    /// A configuration that cannot run.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that decides a run. Defaults are the README's run (under five minutes on
+/// two cores).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Seeds the weights, the data split and the batches.
+    pub seed: u64,
+    /// Training steps.
+    pub steps: usize,
+    /// The model.
+    pub model: CausalConfig,
+    /// Sequences count with strides `1..=max_stride`.
+    pub max_stride: usize,
+    /// Sequences a training step.
+    pub batch: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// Calibration documents (profiling only).
+    pub calibration_docs: usize,
+    /// Evaluation documents (never trained on or profiled).
+    pub eval_docs: usize,
+    /// Tokens a document (longer than the context, so windows overlap).
+    pub doc_len: usize,
+    /// Evaluation window stride (the window is the model's context).
+    pub window_stride: usize,
+    /// Seeds of the shuffled controls.
+    pub shuffle_seeds: Vec<u64>,
+    /// Bootstrap resamples of each paired interval.
+    pub bootstrap_resamples: usize,
+    /// Untimed calls before timing.
+    pub timing_warmup: usize,
+    /// Timed calls.
+    pub timing_reps: usize,
+    /// Tokens each generation prompt may produce.
+    pub generate_tokens: usize,
+    /// Rows a lossless block.
+    pub block_rows: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            seed: 42,
+            steps: 500,
+            model: CausalConfig {
+                vocab: 128,
+                width: 128,
+                layers: 2,
+                heads: 4,
+                context: 48,
+            },
+            max_stride: 9,
+            batch: 16,
+            lr: 2e-3,
+            weight_decay: 0.01,
+            calibration_docs: 16,
+            eval_docs: 24,
+            doc_len: 128,
+            window_stride: 24,
+            shuffle_seeds: vec![1, 2, 3],
+            bootstrap_resamples: 2000,
+            timing_warmup: 2,
+            timing_reps: 7,
+            generate_tokens: 24,
+            block_rows: 16,
+        }
+    }
+}
+
+/// Progress of a long run, for a caller that shows it (the CLI draws bars).
+pub trait Progress {
+    /// A stage of `total` units begins.
+    fn stage(&self, name: &str, total: u64);
+    /// `n` more units are done.
+    fn inc(&self, n: u64);
+    /// The stage is over, with a one-line summary.
+    fn done(&self, summary: &str);
+}
+
+/// Shows nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn stage(&self, _: &str, _: u64) {}
+    fn inc(&self, _: u64) {}
+    fn done(&self, _: &str) {}
+}
+
+/// Re-runs `recorded`'s configuration (artifacts under `work_dir`) and compares: every
+/// deterministic field exactly, likelihoods within `tol`. Returns the fresh report and
+/// the differences (empty: reproduced).
+///
+/// # Errors
+/// As [`run`].
+pub fn replay(
+    recorded: &Report,
+    work_dir: &std::path::Path,
+    tol: Tolerance,
+    progress: &dyn Progress,
+) -> Result<(Report, Vec<Difference>)> {
+    let fresh = run(&recorded.config, work_dir, progress)?;
+    let diffs = compare(recorded, &fresh, tol);
+    Ok((fresh, diffs))
+}
+
+/// Perplexity of a causal model on documents of token ids, and, given the f32 reference,
+/// its distribution shift and a paired comparison (what `compressme evaluate` prints for
+/// causal artifacts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CausalEvaluation {
+    /// Targets scored.
+    pub targets: usize,
+    /// The windows.
+    pub window: compressme_eval::Window,
+    /// Mean NLL, nats.
+    pub mean_nll: f64,
+    /// exp(mean NLL).
+    pub perplexity: f64,
+    /// The reference's perplexity, when there is one.
+    pub reference_perplexity: Option<f64>,
+    /// Against the reference.
+    pub shift: Option<compressme_eval::Shift>,
+    /// NLL(model) - NLL(reference), paired over the targets.
+    pub paired: Option<compressme_eval::Paired>,
+}
+
+/// Scores `model` (and `reference`, when given) on `docs` with overlapping windows of
+/// the model's context.
+///
+/// # Errors
+/// Token ids past the vocabulary, a model or non-finite failure naming the document and
+/// position, references of another configuration.
+pub fn evaluate_causal(
+    model: &compressme_nn::CausalLm,
+    reference: Option<&compressme_nn::CausalLm>,
+    docs: &[Vec<u32>],
+    stride: usize,
+) -> Result<CausalEvaluation> {
+    let cfg = model.config();
+    if let Some(r) = reference
+        && r.config() != cfg
+    {
+        return Err(Error::Config(format!(
+            "the reference is {:?}, the model {cfg:?}",
+            r.config()
+        )));
+    }
+    if let Some((d, t)) = docs.iter().enumerate().find_map(|(d, doc)| {
+        doc.iter()
+            .find(|&&t| t as usize >= cfg.vocab)
+            .map(|&t| (d, t))
+    }) {
+        return Err(Error::Config(format!(
+            "document {d}: token {t} is past the vocabulary of {}",
+            cfg.vocab
+        )));
+    }
+    let window = compressme_eval::Window {
+        len: cfg.context,
+        stride,
+    };
+    let score = |m: &compressme_nn::CausalLm| {
+        compressme_eval::score_documents(docs, window, reference.is_some(), |ids| {
+            m.logit_rows(ids).map_err(|e| e.to_string())
+        })
+    };
+    let s = score(model)?;
+    let (reference_perplexity, shift, paired) = match reference {
+        Some(r) => {
+            let rs = score(r)?;
+            let sh = compressme_eval::shift(&rs, &s)?;
+            let p = compressme_eval::paired(&rs.nll(), &s.nll(), 2000, 42)?;
+            (Some(rs.perplexity()), Some(sh), Some(p))
+        }
+        None => (None, None, None),
+    };
+    Ok(CausalEvaluation {
+        targets: s.tokens.len(),
+        window,
+        mean_nll: s.mean_nll(),
+        perplexity: s.perplexity(),
+        reference_perplexity,
+        shift,
+        paired,
+    })
+}

@@ -1,0 +1,321 @@
+//! The report: what a run measured, as JSON, and the table a person reads.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use compressme_eval::{Paired, Shift, Timing, Window};
+use compressme_plan::Plan;
+use serde::{Deserialize, Serialize};
+
+use crate::{Config, Error, Result, Tolerance};
+
+/// Everything one run measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    /// [`crate::REPORT_VERSION`].
+    pub report_version: u32,
+    /// The tool and its version.
+    pub tool: String,
+    /// What was asked for.
+    pub config: Config,
+    /// What it was trained, calibrated and evaluated on.
+    pub corpus: Corpus,
+    /// How training went.
+    pub training: Training,
+    /// SHA-256 of the calibration profile's JSON.
+    pub profile_sha256: String,
+    /// The plans the mixed variants were packed from, by variant name.
+    pub plans: BTreeMap<String, Plan>,
+    /// Every variant, FP32 first.
+    pub variants: Vec<Variant>,
+    /// Paired comparisons on the same evaluation targets.
+    pub paired: Vec<PairedRow>,
+    /// How closely a replay's likelihoods must agree.
+    pub tolerance: Tolerance,
+    /// Threads the machine offered.
+    pub threads: usize,
+    /// Wall-clock seconds of the whole run.
+    pub seconds: f64,
+}
+
+/// The data, by hash.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Corpus {
+    /// `(start, stride)` pairs training batches start from.
+    pub train_pairs: usize,
+    /// Calibration documents.
+    pub calibration_docs: usize,
+    /// SHA-256 of the calibration documents (see `task::corpus_sha256`).
+    pub calibration_sha256: String,
+    /// Evaluation documents.
+    pub eval_docs: usize,
+    /// SHA-256 of the evaluation documents.
+    pub eval_sha256: String,
+    /// Targets scored a variant.
+    pub targets: usize,
+    /// The evaluation windows.
+    pub window: Window,
+}
+
+/// Training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Training {
+    /// Loss at each step.
+    pub losses: Vec<f64>,
+    /// SHA-256 over the trained tensors' names and f32 bytes.
+    pub weights_sha256: String,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+}
+
+/// One module's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleBytes {
+    /// Module name.
+    pub name: String,
+    /// `dense f32`, a format, `lossless`, or a candle type.
+    pub storage: String,
+    /// Bytes its weight and bias take in f32.
+    pub dense_bytes: u64,
+    /// Bytes they take stored (every buffer: codes, scales, minimums, blocks, bias).
+    pub stored_bytes: u64,
+}
+
+/// A variant's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Storage {
+    /// The file it was saved to and reloaded from (name only).
+    pub file: String,
+    /// Its size.
+    pub file_bytes: u64,
+    /// Its SHA-256.
+    pub file_sha256: String,
+    /// Per module, as the reloaded model holds it.
+    pub modules: Vec<ModuleBytes>,
+    /// Bytes outside the modules (norms, positions), dense.
+    pub other_bytes: u64,
+    /// The modules' dense bytes.
+    pub module_dense_bytes: u64,
+    /// The modules' stored bytes.
+    pub module_stored_bytes: u64,
+}
+
+/// Timing of a reloaded variant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VariantTiming {
+    /// Loading the file (read, verify, build), seconds.
+    pub load_seconds: f64,
+    /// One forward pass over a batch (units: tokens in the batch).
+    pub forward: Timing,
+    /// Greedy generation from a few prompts (units: tokens actually produced).
+    pub generate: Timing,
+}
+
+/// One stored variant and how it did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    /// Short name.
+    pub name: String,
+    /// What it is.
+    pub description: String,
+    /// A control (the shuffled plans), drawn apart in the chart.
+    pub control: bool,
+    /// Bytes.
+    pub storage: Storage,
+    /// Mean negative log-likelihood a target, nats.
+    pub mean_nll: f64,
+    /// exp(mean NLL).
+    pub perplexity: f64,
+    /// Against the FP32 variant.
+    pub shift: Shift,
+    /// Per-target NLL, in target order (written at f32 precision, well inside the
+    /// replay tolerance, to keep reports small).
+    #[serde(serialize_with = "as_f32")]
+    pub nll: Vec<f64>,
+    /// Timing.
+    pub timing: VariantTiming,
+    /// Peak resident memory of the process while loading and evaluating this variant
+    /// (after a reset; `None` where the system cannot say).
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// A paired comparison.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairedRow {
+    /// The baseline.
+    pub a: String,
+    /// The variant compared with it (negative mean difference: `b` is better).
+    pub b: String,
+    /// What the comparison asks.
+    pub question: String,
+    /// The numbers.
+    pub paired: Paired,
+}
+
+fn as_f32<S: serde::Serializer>(v: &[f64], s: S) -> std::result::Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(Some(v.len()))?;
+    for &x in v {
+        seq.serialize_element(&(x as f32))?;
+    }
+    seq.end()
+}
+
+impl Report {
+    /// Compact JSON (per-target arrays make pretty printing a line per number; the
+    /// Markdown table is for people).
+    ///
+    /// # Errors
+    /// Never in practice.
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self).map_err(|e| Error::Json(e.to_string()))
+    }
+
+    /// Reads a report.
+    ///
+    /// # Errors
+    /// [`Error::Json`] for text that is not a report of this version.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let r: Self = serde_json::from_str(text).map_err(|e| Error::Json(e.to_string()))?;
+        if r.report_version != crate::REPORT_VERSION {
+            return Err(Error::Json(format!(
+                "report version {}, this tool reads {}",
+                r.report_version,
+                crate::REPORT_VERSION
+            )));
+        }
+        Ok(r)
+    }
+
+    /// The variant of this name.
+    #[must_use]
+    pub fn variant(&self, name: &str) -> Option<&Variant> {
+        self.variants.iter().find(|v| v.name == name)
+    }
+
+    /// The variant of this name, to change (tests tamper with reports through it).
+    ///
+    /// # Panics
+    /// When there is none.
+    #[must_use]
+    #[allow(clippy::expect_used)] // documented: a test helper
+    pub fn variant_mut(&mut self, name: &str) -> &mut Variant {
+        self.variants
+            .iter_mut()
+            .find(|v| v.name == name)
+            .expect("no variant of that name")
+    }
+}
+
+fn kib(b: u64) -> String {
+    format!("{:.1}", b as f64 / 1024.0)
+}
+
+/// The report as Markdown: a summary line, the variant table, the paired comparisons.
+#[must_use]
+pub fn markdown(r: &Report) -> String {
+    let mut s = String::new();
+    let c = &r.config;
+    let fp32 = r.variants.first();
+    let base = fp32.map_or(1, |v| v.storage.module_stored_bytes).max(1);
+    let _ = writeln!(
+        s,
+        "Offline benchmark ({}): a {}-layer causal model (width {}, vocabulary {}, context {}) trained {} steps from seed {} on the synthetic cyclic-symbol task (loss {:.3} -> {:.3}); {} evaluation documents of {} tokens, {} targets, windows of {} with stride {}; calibration corpus {}, evaluation corpus {}. A functional experiment on a synthetic task, not a pretrained-language-model result.",
+        r.tool,
+        c.model.layers,
+        c.model.width,
+        c.model.vocab,
+        c.model.context,
+        c.steps,
+        c.seed,
+        r.training.losses.first().copied().unwrap_or(f64::NAN),
+        r.training.losses.last().copied().unwrap_or(f64::NAN),
+        r.corpus.eval_docs,
+        c.doc_len,
+        r.corpus.targets,
+        r.corpus.window.len,
+        r.corpus.window.stride,
+        r.corpus.calibration_sha256.get(..12).unwrap_or(""),
+        r.corpus.eval_sha256.get(..12).unwrap_or(""),
+    );
+    s.push('\n');
+    s.push_str("| variant | module weights KiB | vs FP32 | file KiB | perplexity | NLL - FP32 [95% CI] | KL mean | KL p99 | top-1 agree | forward ms | gen tok/s | peak RSS MiB |\n");
+    s.push_str(
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    for v in &r.variants {
+        let vs = r
+            .paired
+            .iter()
+            .find(|p| fp32.is_some_and(|f| p.a == f.name) && p.b == v.name);
+        let ci = vs.map_or("-".to_string(), |p| {
+            format!(
+                "{:+.4} [{:+.4}, {:+.4}]",
+                p.paired.mean_diff, p.paired.ci_low, p.paired.ci_high
+            )
+        });
+        let name = if v.control {
+            format!("{} (control)", v.name)
+        } else {
+            v.name.clone()
+        };
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {:.3} | {} | {:.4} | {ci} | {:.2e} | {:.2e} | {:.4} | {:.2} | {:.0} | {} |",
+            kib(v.storage.module_stored_bytes),
+            v.storage.module_stored_bytes as f64 / base as f64,
+            kib(v.storage.file_bytes),
+            v.perplexity,
+            v.shift.kl_mean,
+            v.shift.kl_p99,
+            v.shift.top1_agreement,
+            v.timing.forward.median * 1e3,
+            v.timing.generate.median_rate(),
+            v.peak_rss_bytes
+                .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0)),
+        );
+    }
+    s.push('\n');
+    s.push_str("| question | a | b | mean NLL(b) - NLL(a) | 95% bootstrap CI | b better / a better | sign test p |\n");
+    s.push_str("| --- | --- | --- | ---: | --- | ---: | ---: |\n");
+    for p in r
+        .paired
+        .iter()
+        .filter(|p| fp32.is_none_or(|f| p.a != f.name))
+    {
+        let q = &p.paired;
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:+.5} | [{:+.5}, {:+.5}] | {} / {} | {:.3} |",
+            p.question,
+            p.a,
+            p.b,
+            q.mean_diff,
+            q.ci_low,
+            q.ci_high,
+            q.b_better,
+            q.a_better,
+            q.sign_test_p
+        );
+    }
+    s.push('\n');
+    let _ = writeln!(
+        s,
+        "Module weights: every stored buffer of the linears and the embedding (codes, scales, minimums, lossless blocks, biases); norms and positions ({} bytes) are dense in every variant. Forward: median of {} timed calls on a [{}, {}] batch after {} warm-up calls; generation: greedy, tokens actually produced; one process, {} threads offered. Timing and memory are context for this machine, not claims.",
+        fp32.map_or(0, |v| v.storage.other_bytes),
+        c.timing_reps,
+        r.corpus.eval_docs,
+        c.model.context,
+        c.timing_warmup,
+        r.threads,
+    );
+    s
+}

@@ -1,0 +1,87 @@
+//! `bench --replay` and `evaluate` on causal artifacts, through the built binary.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// A tampered report fails its replay, naming the field; the replay's artifacts then
+/// evaluate from the command line (perplexity, KL against the FP32 artifact).
+#[test]
+fn a_tampered_report_fails_replay_and_the_artifacts_evaluate() {
+    let d = std::env::temp_dir().join(format!("cm-cli-bench-{}", std::process::id()));
+    drop(std::fs::remove_dir_all(&d));
+    std::fs::create_dir_all(&d).unwrap();
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let text = std::fs::read_to_string(root().join("results/offline-ci.json")).unwrap();
+    let mut report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let int8 = report["variants"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|v| v["name"] == "int8")
+        .unwrap();
+    let bytes = int8["storage"]["file_bytes"].as_u64().unwrap();
+    int8["storage"]["file_bytes"] = serde_json::json!(bytes + 1);
+    std::fs::write(p("tampered.json"), report.to_string()).unwrap();
+    let (ok, out, err) = run(&[
+        "bench",
+        "--replay",
+        &p("tampered.json"),
+        "--work-dir",
+        &p("work"),
+    ]);
+    assert!(!ok, "a tampered report replayed cleanly");
+    assert!(out.contains("differs: variants.int8.storage"), "{out}");
+    assert!(err.contains("1 fields differ"), "{err}");
+
+    // held-out token ids, one document a line
+    let docs = "1 3 5 7 9 11 13 15 17 19 21 23 25 27 29 31 33 35\n\n100 104 108 112 116 120 124 0 4 8 12 16\n";
+    std::fs::write(p("heldout.txt"), docs).unwrap();
+    let evaluate = |model: &str| {
+        let (ok, out, err) = run(&[
+            "evaluate",
+            &p(model),
+            "--reference",
+            &p("work/fp32.cma"),
+            "--data",
+            &p("heldout.txt"),
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let same = evaluate("work/fp32.cma");
+    assert_eq!(same["targets"], 17 + 11);
+    assert_eq!(same["shift"]["kl_mean"], 0.0);
+    assert_eq!(same["shift"]["top1_agreement"], 1.0);
+    let nf4 = evaluate("work/nf4.cma");
+    assert!(nf4["shift"]["kl_mean"].as_f64().unwrap() > 0.0, "{nf4}");
+    assert_eq!(nf4["paired"]["targets"], 28);
+    // bad data: named
+    std::fs::write(p("bad.txt"), "1 2 x\n").unwrap();
+    let (ok, _, err) = run(&["evaluate", &p("work/nf4.cma"), "--data", &p("bad.txt")]);
+    assert!(
+        !ok && err.contains("line 1") && err.contains("`x`"),
+        "{err}"
+    );
+    std::fs::write(p("far.txt"), "1 2 999\n").unwrap();
+    let (ok, _, err) = run(&["evaluate", &p("work/nf4.cma"), "--data", &p("far.txt")]);
+    assert!(!ok && err.contains("999"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
