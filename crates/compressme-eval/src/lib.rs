@@ -6,7 +6,8 @@
 //! Models enter as a closure from token ids to next-token logits, so any family (and any
 //! storage) can be scored; the crate holds no model code.
 //!
-//! Also: [`time`] (warm-up, raw samples, units actually produced) and [`peak_rss_bytes`].
+//! Also: [`time`] (warm-up, raw samples, units actually produced), [`peak_rss_bytes`],
+//! [`reset_peak_rss`] and [`current_rss_bytes`].
 //!
 //! For models without a language-model head (sentence embedders): [`embedding_agreement`]
 //! (cosine to the reference and nearest-neighbour retrieval agreement).
@@ -465,8 +466,19 @@ pub fn time<E>(
 /// `None` where that file does not exist).
 #[must_use]
 pub fn peak_rss_bytes() -> Option<u64> {
+    status_bytes("VmHWM:")
+}
+
+/// The process's resident set now, in bytes (`VmRSS`; `None` where that file does not
+/// exist).
+#[must_use]
+pub fn current_rss_bytes() -> Option<u64> {
+    status_bytes("VmRSS:")
+}
+
+fn status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }

@@ -144,6 +144,9 @@ pub struct Variant {
     /// Peak resident memory of the process while loading and evaluating this variant
     /// (after a reset; `None` where the system cannot say).
     pub peak_rss_bytes: Option<u64>,
+    /// The process's resident memory just before loading this variant (the peak's
+    /// baseline: the process, its other data, the allocator's reserve).
+    pub baseline_rss_bytes: Option<u64>,
 }
 
 /// A paired comparison.
@@ -247,7 +250,7 @@ pub fn markdown(r: &Report) -> String {
         r.corpus.eval_sha256.get(..12).unwrap_or(""),
     );
     s.push('\n');
-    s.push_str("| variant | module weights KiB | vs FP32 | file KiB | perplexity | NLL - FP32 [95% CI] | KL mean | KL p99 | top-1 agree | forward ms | gen tok/s | peak RSS MiB |\n");
+    s.push_str("| variant | module weights KiB | vs FP32 | file KiB | perplexity | NLL - FP32 [95% CI] | KL mean | KL p99 | top-1 agree | forward ms | gen tok/s | peak RSS MiB (+ over its start) |\n");
     s.push_str(
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
@@ -279,8 +282,15 @@ pub fn markdown(r: &Report) -> String {
             v.shift.top1_agreement,
             v.timing.forward.median * 1e3,
             v.timing.generate.median_rate(),
-            v.peak_rss_bytes
-                .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0)),
+            match (v.peak_rss_bytes, v.baseline_rss_bytes) {
+                (Some(p), Some(b)) => format!(
+                    "{:.1} (+{:.1})",
+                    p as f64 / 1048576.0,
+                    p.saturating_sub(b) as f64 / 1048576.0
+                ),
+                (Some(p), None) => format!("{:.1}", p as f64 / 1048576.0),
+                _ => "-".into(),
+            },
         );
     }
     s.push('\n');

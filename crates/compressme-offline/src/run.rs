@@ -127,6 +127,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         losses.first().copied().unwrap_or(f64::NAN),
         losses.last().copied().unwrap_or(f64::NAN)
     ));
+    drop(opt);
     let tensors = model.tensors()?;
     let mut h = Sha256::new();
     for (name, t) in &tensors {
@@ -316,6 +317,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         };
         progress.inc(1);
         compressme_eval::reset_peak_rss();
+        let baseline_rss_bytes = compressme_eval::current_rss_bytes();
         let t_load = Instant::now();
         let (loaded, modules) = match &p.spec {
             Spec::Ours { .. } => {
@@ -393,6 +395,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
                 generate,
             },
             peak_rss_bytes,
+            baseline_rss_bytes,
         });
     }
 
