@@ -40,12 +40,13 @@ fn the_committed_reference_report_replays_and_tampering_is_caught() {
     let cases: Vec<(&str, Tamper)> = vec![
         (
             "variants.int8.storage",
-            Box::new(|r| r.variant_mut("int8").storage.module_stored_bytes += 1),
+            Box::new(|r| r.variant_mut("int8").unwrap().storage.module_stored_bytes += 1),
         ),
         (
             "variants.nf4.storage",
             Box::new(|r| {
                 r.variant_mut("nf4")
+                    .unwrap()
                     .storage
                     .file_sha256
                     .replace_range(0..1, "x")
@@ -61,11 +62,11 @@ fn the_committed_reference_report_replays_and_tampering_is_caught() {
         ),
         (
             "variants.mixed.nll[",
-            Box::new(|r| r.variant_mut("mixed").nll[7] += 10.0 * tol.nll_abs),
+            Box::new(|r| r.variant_mut("mixed").unwrap().nll[7] += 10.0 * tol.nll_abs),
         ),
         (
             "variants.budget.mean_nll",
-            Box::new(|r| r.variant_mut("budget").mean_nll += 10.0 * tol.metric_abs),
+            Box::new(|r| r.variant_mut("budget").unwrap().mean_nll += 10.0 * tol.metric_abs),
         ),
         ("plans", Box::new(|r| drop(r.plans.pop_first()))),
         ("config", Box::new(|r| r.config.steps += 1)),
@@ -81,7 +82,7 @@ fn the_committed_reference_report_replays_and_tampering_is_caught() {
     }
     // differences inside the tolerance are not differences
     let mut close = recorded.clone();
-    close.variant_mut("mixed").nll[3] += 0.5 * tol.nll_abs;
+    close.variant_mut("mixed").unwrap().nll[3] += 0.5 * tol.nll_abs;
     assert!(compare(&close, &fresh, tol).is_empty());
     // timing is not compared
     let mut slow = recorded.clone();
