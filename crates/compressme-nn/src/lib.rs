@@ -54,7 +54,7 @@ pub use embedding::{PackOptions, PackedFrozenEmbedding, PackingReport};
 pub use error::{Error, Result};
 pub use hook::{HookGuard, Hooks, Observer};
 pub use linear::{DIRECT_MAX_ROWS, Linear, TILE_WEIGHTS, Weight};
-pub use llama::{LlamaFormat, LlamaQuantized, llama_quantize};
+pub use llama::{LlamaFormat, LlamaQuantized, llama_qtensor, llama_quantize};
 pub use load::apply_artifact;
 pub use model::{Model, ModuleInfo, ModuleKind, ModuleMut, ModuleRef, Storage, StorageReport};
 pub use table::{Embedding, Table};

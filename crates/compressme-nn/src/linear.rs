@@ -3,7 +3,8 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
 use compressme_quant::{Format, Packed};
 
 use crate::{Error, Hooks, Result, Storage};
@@ -26,6 +27,10 @@ pub enum Weight {
     Dense(Tensor),
     /// Packed codes and scales.
     Packed(Arc<Packed>),
+    /// One of candle's GGUF types (llama.cpp's formats, such as Q8_0 and Q4_0), multiplied
+    /// with candle's quantized kernels: kept so those formats can be run and timed beside
+    /// ours on the same model.
+    Ggml(Arc<QTensor>),
 }
 
 impl Weight {
@@ -35,6 +40,7 @@ impl Weight {
         match self {
             Self::Dense(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
             Self::Packed(p) => p.stored_bytes() as u64,
+            Self::Ggml(q) => q.storage_size_in_bytes() as u64,
         }
     }
 
@@ -44,6 +50,7 @@ impl Weight {
         match self {
             Self::Dense(t) => format!("dense {:?}", t.dtype()).to_lowercase(),
             Self::Packed(p) => p.format().to_string(),
+            Self::Ggml(q) => format!("candle {:?}", q.dtype()).to_lowercase(),
         }
     }
 }
@@ -148,6 +155,10 @@ impl Linear {
                 p.dequantize_into(&mut out)?;
                 Ok(out)
             }
+            Weight::Ggml(q) => Ok(q
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?),
         }
     }
 
@@ -195,6 +206,7 @@ impl Linear {
         let shape = match &weight {
             Weight::Dense(t) => t.dims2()?,
             Weight::Packed(p) => (p.rows(), p.cols()),
+            Weight::Ggml(q) => q.shape().dims2()?,
         };
         if shape != (self.out_features, self.in_features) {
             return Err(Error::Shape(format!(
@@ -220,6 +232,12 @@ impl Linear {
                 _ => x.matmul(&w.t()?)?,
             },
             Weight::Packed(p) => packed_forward(&self.name, x, p)?,
+            Weight::Ggml(q) => {
+                let x32 = x.to_dtype(DType::F32)?.contiguous()?;
+                QMatMul::from_arc(Arc::clone(q))?
+                    .forward(&x32)?
+                    .to_dtype(x.dtype())?
+            }
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,

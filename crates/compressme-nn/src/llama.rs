@@ -64,6 +64,24 @@ pub fn llama_quantize(
     cols: usize,
     format: LlamaFormat,
 ) -> Result<LlamaQuantized> {
+    let q = llama_qtensor(w, rows, cols, format)?;
+    let dequantized = q
+        .dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok(LlamaQuantized {
+        stored_bytes: q.storage_size_in_bytes(),
+        dequantized,
+    })
+}
+
+/// Quantizes row-major `[rows, cols]` weights to `format` as candle's quantized tensor
+/// (for [`crate::Weight::Ggml`] or a GGUF file), after the checks candle would otherwise
+/// panic on.
+///
+/// # Errors
+/// As [`llama_quantize`].
+pub fn llama_qtensor(w: &[f32], rows: usize, cols: usize, format: LlamaFormat) -> Result<QTensor> {
     if rows == 0 || cols == 0 || rows.checked_mul(cols) != Some(w.len()) {
         return Err(Error::NotEligible(format!(
             "{} weights do not make a [{rows}, {cols}] matrix",
@@ -80,15 +98,7 @@ pub fn llama_quantize(
         return Err(Error::NotEligible("weights must be finite".into()));
     }
     let t = Tensor::from_slice(w, (rows, cols), &Device::Cpu)?;
-    let q = QTensor::quantize(&t, format.ggml())?;
-    let dequantized = q
-        .dequantize(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    Ok(LlamaQuantized {
-        stored_bytes: q.storage_size_in_bytes(),
-        dequantized,
-    })
+    Ok(QTensor::quantize(&t, format.ggml())?)
 }
 
 #[cfg(test)]
@@ -103,6 +113,56 @@ mod tests {
         assert!(llama_quantize(&w, 2, 100, LlamaFormat::Q8_0).is_err());
         assert!(llama_quantize(&w[..10], 2, 100, LlamaFormat::Q8_0).is_err());
         assert!(llama_quantize(&[f32::NAN; 32], 1, 32, LlamaFormat::Q8_0).is_err());
+    }
+
+    #[test]
+    fn a_linear_runs_candle_quantized_weights() {
+        use crate::{Hooks, Linear, Weight};
+        let (rows, cols) = (8, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0)
+            .collect();
+        let dense = Tensor::from_slice(&w, (rows, cols), &Device::Cpu).unwrap();
+        let bias = Tensor::from_slice(&[0.5f32; 8], 8, &Device::Cpu).unwrap();
+        let mut l = Linear::new("l", dense, Some(bias), Hooks::default()).unwrap();
+        let x = Tensor::from_vec(
+            (0..3 * cols)
+                .map(|i| (i as f32 * 0.13).sin())
+                .collect::<Vec<f32>>(),
+            (1, 3, cols),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let want = l
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let q = llama_qtensor(&w, rows, cols, LlamaFormat::Q8_0).unwrap();
+        l.set_weight(Weight::Ggml(std::sync::Arc::new(q))).unwrap();
+        assert_eq!(l.weight().describe(), "candle q8_0");
+        assert_eq!(l.stored_bytes(), (rows * cols / 32 * 34 + 4 * rows) as u64);
+        let y = l.forward(&x).unwrap();
+        assert_eq!(y.dims(), &[1, 3, rows]);
+        let got = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let err = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err > 0.0 && err < 0.05, "max error {err}");
+        let back = l.weight_f32().unwrap();
+        assert_eq!(back.len(), rows * cols);
+        // a weight of another shape is refused
+        let other = llama_qtensor(&w, cols, rows, LlamaFormat::Q8_0);
+        assert!(other.is_err(), "8 is not a multiple of 32");
+        let wide = llama_qtensor(&vec![0.1; 4 * 64], 4, 64, LlamaFormat::Q8_0).unwrap();
+        assert!(
+            l.set_weight(Weight::Ggml(std::sync::Arc::new(wide)))
+                .is_err()
+        );
     }
 
     #[test]

@@ -169,7 +169,7 @@ pub trait Model {
                 Some(ModuleRef::Linear(l)) => {
                     let device = match l.weight() {
                         Weight::Dense(t) => t.device().clone(),
-                        Weight::Packed(_) => candle_core::Device::Cpu,
+                        Weight::Packed(_) | Weight::Ggml(_) => candle_core::Device::Cpu,
                     };
                     Staged::Linear(l.prepare(storage, &device)?)
                 }

@@ -259,7 +259,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         planned.push(Planned {
             name: format!("candle-{name}"),
             description: format!(
-                "candle's {f:?} for every linear (llama.cpp's format), saved as GGUF; evaluated dequantized"
+                "candle's {f:?} for every linear (llama.cpp's format), saved as GGUF, run by candle's quantized kernels"
             ),
             control: false,
             spec: Spec::Candle(f),
@@ -537,12 +537,14 @@ fn write_gguf(
         let is_linear = name
             .strip_suffix(".weight")
             .is_some_and(|m| linears.iter().any(|l| l == m));
-        let dtype = if is_linear {
-            format.ggml()
-        } else {
-            GgmlDType::F32
+        let qt = match (is_linear, t.dims2()) {
+            (true, Ok((rows, cols))) => {
+                let w = t.flatten_all()?.to_vec1::<f32>()?;
+                compressme_nn::llama_qtensor(&w, rows, cols, format)?
+            }
+            _ => QTensor::quantize(t, GgmlDType::F32)?,
         };
-        q.push((name.as_str(), QTensor::quantize(t, dtype)?));
+        q.push((name.as_str(), qt));
     }
     let config = serde_json::to_string(&model).map_err(|e| Error::Json(e.to_string()))?;
     let value = gguf_file::Value::String(config);
@@ -576,32 +578,46 @@ fn read_gguf(
         }
     };
     let mut tensors = HashMap::new();
-    let mut sizes = HashMap::new();
+    let mut packed = Vec::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     for name in names {
         let qt = content.tensor(&mut f, name, dev)?;
-        sizes.insert(name.clone(), qt.storage_size_in_bytes() as u64);
         tensors.insert(name.clone(), qt.dequantize(dev)?);
+        if let Some(m) = name.strip_suffix(".weight")
+            && linears.iter().any(|l| l == m)
+        {
+            packed.push((m.to_string(), qt));
+        }
     }
-    let model = CausalLm::from_tensors(cfg, &tensors, dev)?;
+    // build with dense weights, then give every linear candle's quantized tensor, run
+    // by candle's quantized kernels
+    let mut model = CausalLm::from_tensors(cfg, &tensors, dev)?;
+    drop(tensors);
+    for (m, qt) in packed {
+        if qt.dtype() != format.ggml() {
+            return Err(Error::Json(format!(
+                "{}: `{m}.weight` is {:?}, expected {:?}",
+                path.display(),
+                qt.dtype(),
+                format.ggml()
+            )));
+        }
+        match model.module_mut(&m) {
+            Some(compressme_nn::ModuleMut::Linear(l)) => {
+                l.set_weight(compressme_nn::Weight::Ggml(std::sync::Arc::new(qt)))?;
+            }
+            _ => return Err(Error::Json(format!("`{m}` is not a linear"))),
+        }
+    }
     let modules = model
         .modules()
         .into_iter()
-        .map(|i| {
-            let size = |suffix: &str| sizes.get(&format!("{}.{suffix}", i.name)).copied();
-            let stored = size("weight").unwrap_or(i.dense_bytes) + size("bias").unwrap_or(0);
-            let storage = if linears.contains(&i.name) {
-                format!("candle {:?}", format.ggml())
-            } else {
-                i.storage
-            };
-            ModuleBytes {
-                name: i.name,
-                storage,
-                dense_bytes: i.dense_bytes,
-                stored_bytes: stored,
-            }
+        .map(|i| ModuleBytes {
+            name: i.name,
+            storage: i.storage,
+            dense_bytes: i.dense_bytes,
+            stored_bytes: i.stored_bytes,
         })
         .collect();
     Ok((model, modules))
