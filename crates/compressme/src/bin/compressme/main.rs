@@ -178,7 +178,30 @@ fn exit_quietly_on_broken_pipe() {
     }));
 }
 
-fn main() -> Result<()> {
+/// Errors print as one line, the cause chain included (`error: reading x: No such file`),
+/// with no backtrace: the message names what failed; `COMPRESSME_DEBUG` shows more.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // the cause chain on one line, leaving out causes a message already quotes
+            let mut msg = e.to_string();
+            for cause in e.chain().skip(1) {
+                let c = cause.to_string();
+                if !msg.contains(&c) {
+                    msg = format!("{msg}: {c}");
+                }
+            }
+            eprintln!("error: {msg}");
+            if std::env::var_os("COMPRESSME_DEBUG").is_some() {
+                eprintln!("{e:?}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     exit_quietly_on_broken_pipe();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
