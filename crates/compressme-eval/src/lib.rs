@@ -417,6 +417,21 @@ pub struct Timing {
 }
 
 impl Timing {
+    /// The summary of samples measured elsewhere (for example interleaved across several
+    /// variants, so that drift on a shared machine hits them all alike); `units` holds
+    /// one count per sample.
+    #[must_use]
+    pub fn from_samples(warmup: usize, samples: Vec<f64>, units: Vec<u64>) -> Self {
+        Self {
+            warmup,
+            median: percentile(samples.clone(), 0.5),
+            min: samples.iter().copied().fold(f64::INFINITY, f64::min),
+            max: samples.iter().copied().fold(0.0, f64::max),
+            samples,
+            units,
+        }
+    }
+
     /// Median units a second (for example tokens a second), counting what each call
     /// actually produced.
     #[must_use]
@@ -452,14 +467,7 @@ pub fn time<E>(
         samples.push(t.elapsed().as_secs_f64());
         units.push(u);
     }
-    Ok(Timing {
-        warmup,
-        median: percentile(samples.clone(), 0.5),
-        min: samples.iter().copied().fold(f64::INFINITY, f64::min),
-        max: samples.iter().copied().fold(0.0, f64::max),
-        samples,
-        units,
-    })
+    Ok(Timing::from_samples(warmup, samples, units))
 }
 
 /// The process's peak resident set so far, in bytes (`VmHWM` from `/proc/self/status`;

@@ -111,7 +111,8 @@ pub struct Storage {
 pub struct VariantTiming {
     /// Loading the file (read, verify, build), seconds.
     pub load_seconds: f64,
-    /// One forward pass over a batch (units: tokens in the batch).
+    /// One forward pass over a batch (units: tokens in the batch), timed in rounds
+    /// interleaved with the other variants.
     pub forward: Timing,
     /// Greedy generation from a few prompts (units: tokens actually produced).
     pub generate: Timing,
@@ -312,7 +313,7 @@ pub fn markdown(r: &Report) -> String {
     s.push('\n');
     let _ = writeln!(
         s,
-        "Module weights: every stored buffer of the linears and the embedding (codes, scales, minimums, lossless blocks, biases); norms and positions ({} bytes) are dense in every variant. Forward: median of {} timed calls on a [{}, {}] batch after {} warm-up calls; generation: greedy, tokens actually produced; one process, {} threads offered. Timing and memory are context for this machine, not claims.",
+        "Module weights: every stored buffer of the linears and the embedding (codes, scales, minimums, lossless blocks, biases); norms and positions ({} bytes) are dense in every variant. Forward: median of {} timed calls on a [{}, {}] batch, after {} warm-up rounds, the variants interleaved round by round; generation: greedy from 4 prompts, tokens actually produced; one process, {} threads offered. Timing and memory are context for this machine, not claims; peak memory is the process's, reset at each variant's load and covering its load, evaluation and one timed call of each kind.",
         fp32.map_or(0, |v| v.storage.other_bytes),
         c.timing_reps,
         r.corpus.eval_docs,

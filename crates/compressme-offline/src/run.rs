@@ -8,7 +8,7 @@ use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use compressme_artifact::{Dtype, Writer, recipe::sha256_hex};
 use compressme_blockstore::Coder;
-use compressme_eval::{Scored, Window, paired, score_documents, shift};
+use compressme_eval::{Scored, Timing, Window, paired, score_documents, shift};
 use compressme_nn::causal::CONFIG_KEY;
 use compressme_nn::{AdamW, CausalConfig, CausalLm, LlamaFormat, Model};
 use compressme_plan::{Choice, Plan, Policy};
@@ -291,6 +291,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         .map(|d| d.iter().take(4).copied().collect())
         .collect();
     let mut variants: Vec<Variant> = Vec::new();
+    let mut files = Vec::new();
     let mut reference: Option<Scored> = None;
     for p in &planned {
         progress.stage(&p.name, 4);
@@ -319,23 +320,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         compressme_eval::reset_peak_rss();
         let baseline_rss_bytes = compressme_eval::current_rss_bytes();
         let t_load = Instant::now();
-        let (loaded, modules) = match &p.spec {
-            Spec::Ours { .. } => {
-                let m = CausalLm::from_artifact(&file, &dev)?;
-                let modules = m
-                    .modules()
-                    .into_iter()
-                    .map(|i| ModuleBytes {
-                        name: i.name,
-                        storage: i.storage,
-                        dense_bytes: i.dense_bytes,
-                        stored_bytes: i.stored_bytes,
-                    })
-                    .collect();
-                (m, modules)
-            }
-            Spec::Candle(f) => read_gguf(&file, &linears, *f, &dev)?,
-        };
+        let (loaded, modules) = load(&p.spec, &file, &linears, &dev)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
         progress.inc(1);
         let scored = score_documents(&eval_docs, window, true, |ids| {
@@ -344,17 +329,10 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         let reference_scored = reference.get_or_insert_with(|| scored.clone());
         let sh = shift(reference_scored, &scored)?;
         progress.inc(1);
-        let n_fwd = forward_ids.elem_count() as u64;
-        let forward = compressme_eval::time(cfg.timing_warmup, cfg.timing_reps, || {
-            loaded.forward(&forward_ids).map(|_| n_fwd)
-        })?;
-        let generate = compressme_eval::time(cfg.timing_warmup.min(1), cfg.timing_reps, || {
-            let mut produced = 0u64;
-            for pr in &prompts {
-                produced += loaded.generate(pr, cfg.generate_tokens, None)?.len() as u64;
-            }
-            Ok::<u64, compressme_nn::Error>(produced)
-        })?;
+        // the timed work once, so the peak covers it; the timing itself comes later,
+        // interleaved across the variants
+        loaded.forward(&forward_ids)?;
+        generate_all(&loaded, &prompts, cfg.generate_tokens)?;
         let peak_rss_bytes = compressme_eval::peak_rss_bytes();
         let module_dense_bytes = modules.iter().map(|m: &ModuleBytes| m.dense_bytes).sum();
         let module_stored_bytes = modules.iter().map(|m: &ModuleBytes| m.stored_bytes).sum();
@@ -391,13 +369,59 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
             nll: scored.nll(),
             timing: VariantTiming {
                 load_seconds,
-                forward,
-                generate,
+                forward: Timing::from_samples(0, Vec::new(), Vec::new()),
+                generate: Timing::from_samples(0, Vec::new(), Vec::new()),
             },
             peak_rss_bytes,
             baseline_rss_bytes,
         });
+        files.push(file);
     }
+
+    // timing, interleaved: every variant reloaded from its file (each was dropped after its
+    // evaluation, so that no variant's memory peak carries another's), then round r times
+    // every variant once, so a slow moment on a shared machine falls on all of them
+    let models = planned
+        .iter()
+        .zip(&files)
+        .map(|(p, f)| load(&p.spec, f, &linears, &dev).map(|(m, _)| m))
+        .collect::<Result<Vec<_>>>()?;
+    let n = models.len();
+    progress.stage(
+        "timing",
+        ((cfg.timing_warmup + cfg.timing_reps) * n * 2) as u64,
+    );
+    let n_fwd = forward_ids.elem_count() as u64;
+    let (mut fwd, mut gen_s, mut gen_u) = (
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+    );
+    for round in 0..cfg.timing_warmup + cfg.timing_reps {
+        for (i, m) in models.iter().enumerate() {
+            let t = Instant::now();
+            m.forward(&forward_ids)?;
+            let s_fwd = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let produced = generate_all(m, &prompts, cfg.generate_tokens)?;
+            let s_gen = t.elapsed().as_secs_f64();
+            if round >= cfg.timing_warmup {
+                fwd[i].push(s_fwd);
+                gen_s[i].push(s_gen);
+                gen_u[i].push(produced);
+            }
+            progress.inc(2);
+        }
+    }
+    for (((v, f), s), u) in variants.iter_mut().zip(fwd).zip(gen_s).zip(gen_u) {
+        let units = vec![n_fwd; f.len()];
+        v.timing.forward = Timing::from_samples(cfg.timing_warmup, f, units);
+        v.timing.generate = Timing::from_samples(cfg.timing_warmup, s, u);
+    }
+    progress.done(&format!(
+        "timed {n} variants, {} interleaved rounds after {} warm-up rounds",
+        cfg.timing_reps, cfg.timing_warmup
+    ));
 
     // paired comparisons
     let mut questions: Vec<(String, String, String)> = variants
@@ -471,6 +495,44 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         threads: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// A variant's model from its file, and its modules' bytes as loaded.
+fn load(
+    spec: &Spec,
+    file: &Path,
+    linears: &[String],
+    dev: &Device,
+) -> Result<(CausalLm, Vec<ModuleBytes>)> {
+    match spec {
+        Spec::Ours { .. } => {
+            let m = CausalLm::from_artifact(file, dev)?;
+            let modules = module_bytes(&m);
+            Ok((m, modules))
+        }
+        Spec::Candle(f) => read_gguf(file, linears, *f, dev),
+    }
+}
+
+fn module_bytes(m: &CausalLm) -> Vec<ModuleBytes> {
+    m.modules()
+        .into_iter()
+        .map(|i| ModuleBytes {
+            name: i.name,
+            storage: i.storage,
+            dense_bytes: i.dense_bytes,
+            stored_bytes: i.stored_bytes,
+        })
+        .collect()
+}
+
+/// Greedy generation from every prompt; the tokens actually produced.
+fn generate_all(m: &CausalLm, prompts: &[Vec<u32>], max_new: usize) -> Result<u64> {
+    let mut produced = 0u64;
+    for p in prompts {
+        produced += m.generate(p, max_new, None)?.len() as u64;
+    }
+    Ok(produced)
 }
 
 /// Writes an artifact of every tensor: modules named in `choices` as chosen (4-bit blocks
@@ -610,15 +672,6 @@ fn read_gguf(
             _ => return Err(Error::Json(format!("`{m}` is not a linear"))),
         }
     }
-    let modules = model
-        .modules()
-        .into_iter()
-        .map(|i| ModuleBytes {
-            name: i.name,
-            storage: i.storage,
-            dense_bytes: i.dense_bytes,
-            stored_bytes: i.stored_bytes,
-        })
-        .collect();
+    let modules = module_bytes(&model);
     Ok((model, modules))
 }
