@@ -85,3 +85,49 @@ fn a_tampered_report_fails_replay_and_the_artifacts_evaluate() {
     assert!(!ok && err.contains("999"), "{err}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A run writes the report, and beside it the table and the chart with the same stem; the
+/// report replays; bad settings are refused before any work.
+#[test]
+fn a_small_run_writes_report_table_and_chart() {
+    let d = std::env::temp_dir().join(format!("cm-cli-bench-run-{}", std::process::id()));
+    drop(std::fs::remove_dir_all(&d));
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let (ok, out, err) = run(&[
+        "bench",
+        "--steps",
+        "3",
+        "--eval-docs",
+        "2",
+        "--timing-reps",
+        "1",
+        "--shuffle-seeds",
+        "5",
+        "--output",
+        &p("out/small.json"),
+        "--work-dir",
+        &p("work"),
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("| shuffled-5 (control) |"), "{out}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p("out/small.json")).unwrap()).unwrap();
+    assert_eq!(report["config"]["steps"], 3);
+    assert_eq!(report["variants"].as_array().unwrap().len(), 10);
+    let md = std::fs::read_to_string(p("out/small.md")).unwrap();
+    assert!(md.contains("| fp32 |"));
+    let svg = std::fs::read_to_string(p("out/small.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    let (ok, out, err) = run(&[
+        "bench",
+        "--replay",
+        &p("out/small.json"),
+        "--work-dir",
+        &p("replay"),
+    ]);
+    assert!(ok && out.contains("reproduced"), "{out}{err}");
+    let (ok, _, err) = run(&["bench", "--eval-docs", "0", "--output", &p("x.json")]);
+    assert!(!ok && err.contains("eval_docs"), "{err}");
+    assert!(!d.join("x.json").exists());
+    std::fs::remove_dir_all(&d).unwrap();
+}
