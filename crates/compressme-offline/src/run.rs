@@ -65,7 +65,9 @@ fn check(cfg: &Config) -> Result<()> {
     let bad = if cfg.window_stride == 0 {
         Some("window_stride must be at least 1")
     } else if m.context < 2 || cfg.doc_len < m.context {
-        Some("context must be at least 2, and doc_len at least the context (documents span windows)")
+        Some(
+            "context must be at least 2, and doc_len at least the context (documents span windows)",
+        )
     } else if cfg.eval_docs == 0 || cfg.calibration_docs == 0 || cfg.batch == 0 {
         Some("eval_docs, calibration_docs and batch must be positive")
     } else if !m.width.is_multiple_of(64) {
