@@ -121,7 +121,7 @@ impl Dtype {
     /// f16, bf16, f32 or f64.
     #[must_use]
     pub fn is_float(self) -> bool {
-        matches!(self, Self::F16 | Self::Bf16 | Self::F32 | Self::F64)
+        [Self::F16, Self::Bf16, Self::F32, Self::F64].contains(&self)
     }
 }
 

@@ -235,7 +235,7 @@ impl CausalLm {
         device: &Device,
     ) -> Result<Self> {
         cfg.check()?;
-        let mut used = 0usize;
+        let mut used = std::collections::HashSet::new();
         let mut vars = Vec::new();
         let mut get = |name: &str, shape: &[usize]| -> Result<Tensor> {
             let t = tensors
@@ -247,7 +247,7 @@ impl CausalLm {
                     t.dims()
                 )));
             }
-            used += 1;
+            used.insert(name.to_string());
             let v = Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?;
             let out = v.as_tensor().clone();
             vars.push(v);
@@ -296,11 +296,8 @@ impl CausalLm {
             ));
         }
         let ln_f = norm("ln_f".into())?;
-        if used != tensors.len() {
-            let mut extra: Vec<&String> = tensors
-                .keys()
-                .filter(|k| !is_causal_tensor(k, cfg.layers))
-                .collect();
+        if used.len() != tensors.len() {
+            let mut extra: Vec<&String> = tensors.keys().filter(|k| !used.contains(*k)).collect();
             extra.sort();
             return Err(Error::Shape(format!(
                 "causal checkpoint: tensors the configuration has no place for: {extra:?}"
@@ -532,33 +529,6 @@ impl Model for CausalLm {
                 .map(|b| b.ln1.bytes() + b.ln2.bytes())
                 .sum::<u64>()
     }
-}
-
-fn is_causal_tensor(name: &str, layers: usize) -> bool {
-    let fixed = [
-        "tok_embeddings.weight",
-        "pos_embeddings",
-        "ln_f.weight",
-        "ln_f.bias",
-        "lm_head.weight",
-        "lm_head.bias",
-    ];
-    if fixed.contains(&name) {
-        return true;
-    }
-    let Some(rest) = name.strip_prefix("layers.") else {
-        return false;
-    };
-    let Some((i, rest)) = rest.split_once('.') else {
-        return false;
-    };
-    let modules = [
-        "ln1", "ln2", "attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down",
-    ];
-    i.parse::<usize>().is_ok_and(|i| i < layers)
-        && modules
-            .iter()
-            .any(|m| rest == format!("{m}.weight") || rest == format!("{m}.bias"))
 }
 
 /// AdamW (decoupled weight decay), as in Loshchilov and Hutter.

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
-use compressme_artifact::{Dtype, Writer, recipe::sha256_hex};
+use compressme_artifact::{Dtype, Writer, from_f32, recipe::sha256_hex};
 use compressme_blockstore::Coder;
 use compressme_eval::{Scored, Timing, Window, paired, score_documents, shift};
 use compressme_nn::causal::CONFIG_KEY;
@@ -48,11 +48,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
 }
 
 fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    Ok(t.flatten_all()?
-        .to_vec1::<f32>()?
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect())
+    Ok(from_f32(Dtype::F32, &t.flatten_all()?.to_vec1::<f32>()?))
 }
 
 fn file_sha256(path: &Path) -> Result<String> {
@@ -282,11 +278,8 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         .iter()
         .flat_map(|d| d.iter().take(ctx).copied())
         .collect();
-    let forward_ids = Tensor::from_vec(
-        forward_ids.clone(),
-        (eval_docs.len(), forward_ids.len() / eval_docs.len()),
-        &dev,
-    )?;
+    let per_doc = forward_ids.len() / eval_docs.len();
+    let forward_ids = Tensor::from_vec(forward_ids, (eval_docs.len(), per_doc), &dev)?;
     let prompts: Vec<Vec<u32>> = eval_docs
         .iter()
         .take(4)

@@ -122,12 +122,10 @@ impl Choice {
     /// Whether it keeps at least INT8 precision (the output-head floor).
     #[must_use]
     pub fn at_least_int8(&self) -> bool {
-        matches!(
-            self,
-            Self::Dense
-                | Self::Lossless
-                | Self::Format(Format::F16 | Format::Bf16 | Format::Int8 | Format::Int8Rows)
-        )
+        match self {
+            Self::Dense | Self::Lossless => true,
+            Self::Format(f) => f.code_bits() >= 8,
+        }
     }
 
     /// Stored bytes for a `[rows, cols]` weight (`None` for lossless: known only once

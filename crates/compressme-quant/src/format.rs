@@ -95,14 +95,20 @@ impl Format {
         }
     }
 
-    /// Bytes of codes for one row of `cols` weights.
+    /// Bits of one weight's code (scales and minimums not counted): 16, 8 or 4.
+    #[must_use]
+    pub const fn code_bits(self) -> usize {
+        match self {
+            Self::F16 | Self::Bf16 => 16,
+            Self::Int8 | Self::Int8Rows => 8,
+            Self::Nf4 | Self::Nf4Block(_) | Self::Int4Block(_) => 4,
+        }
+    }
+
+    /// Bytes of codes for one row of `cols` weights (an odd 4-bit row ends in half a byte).
     #[must_use]
     pub const fn row_code_bytes(self, cols: usize) -> usize {
-        match self {
-            Self::F16 | Self::Bf16 => 2 * cols,
-            Self::Int8 | Self::Int8Rows => cols,
-            Self::Nf4 | Self::Nf4Block(_) | Self::Int4Block(_) => cols.div_ceil(2),
-        }
+        (cols * self.code_bits()).div_ceil(8)
     }
 
     /// Scales (and minimums) kept per row, and bytes each.

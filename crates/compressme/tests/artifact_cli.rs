@@ -2,30 +2,17 @@
 //! tiny BERT and on the real MiniLM checkpoint.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use std::path::{Path, PathBuf};
+
+use common::{root, run};
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("cm-cli-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
 }
 
 /// Every tensor of `a` is in `b` with the same dtype, shape and bytes.

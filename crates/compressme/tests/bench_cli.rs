@@ -1,24 +1,9 @@
 //! `bench --replay` and `evaluate` on causal artifacts, through the built binary.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8(out.stdout).unwrap(),
-        String::from_utf8(out.stderr).unwrap(),
-    )
-}
+use common::{root, run};
 
 /// A tampered report fails its replay, naming the field; the replay's artifacts then
 /// evaluate from the command line (perplexity, KL against the FP32 artifact).

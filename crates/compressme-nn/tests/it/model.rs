@@ -399,7 +399,7 @@ fn minilm_reloads_from_an_artifact_alone() {
 fn causal_model_round_trips_through_tensors_and_artifacts() {
     use std::collections::HashMap;
 
-    use compressme_artifact::{Dtype, Writer};
+    use compressme_artifact::{Dtype, Writer, from_f32};
     let (model, _) = train(5, 40);
     let cfg = model.config();
     let dev = Device::Cpu;
@@ -450,14 +450,10 @@ fn causal_model_round_trips_through_tensors_and_artifacts() {
         serde_json::to_string(&cfg).unwrap(),
     );
     for (name, t) in model.tensors().unwrap() {
-        let bytes: Vec<u8> = t
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let bytes = from_f32(
+            Dtype::F32,
+            &t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
         let shape = t.dims().to_vec();
         if name.ends_with(".weight") && name.contains("attn") {
             w.add_quantized(&name, Dtype::F32, &shape, &bytes, Format::Nf4)

@@ -334,7 +334,7 @@ pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Res
     if batch == 0 {
         return Ok(yt);
     }
-    let nibbles = is_nibble(w.format());
+    let nibbles = w.format().code_bits() == 4;
     let fixed = match w.format() {
         Format::F16 | Format::Bf16 => None,
         _ => FixedX::new(x, batch, cols, nibbles),
@@ -353,10 +353,6 @@ pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Res
         }
     }
     Ok(y)
-}
-
-fn is_nibble(f: Format) -> bool {
-    matches!(f, Format::Nf4 | Format::Nf4Block(_) | Format::Int4Block(_))
 }
 
 /// Calls `f(first, rows, n)` for the batch four rows at a time; `rows` past `n` are empty.
@@ -387,7 +383,7 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     };
     // a small batch reads 4-bit codes straight from the packed row (whole 16-byte runs)
     let rb = w.format().row_code_bytes(cols);
-    let fused = batch <= 4 && is_nibble(w.format()) && rb.is_multiple_of(16);
+    let fused = batch <= 4 && w.format().code_bits() == 4 && rb.is_multiple_of(16);
     run_tasks(
         yt,
         batch * ROWS_PER_TASK,

@@ -67,10 +67,6 @@ impl Progress for Bars {
     }
 }
 
-fn with_stem(path: &Path, ext: &str) -> PathBuf {
-    path.with_extension(ext)
-}
-
 pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
     let bars = Bars {
         bar: RefCell::new(None),
@@ -140,8 +136,8 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
     let svg = offline::svg_chart(&report)?;
     for (path, text) in [
         (a.output.clone(), report.to_json()?),
-        (with_stem(&a.output, "md"), md.clone()),
-        (with_stem(&a.output, "svg"), svg),
+        (a.output.with_extension("md"), md.clone()),
+        (a.output.with_extension("svg"), svg),
     ] {
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     }
@@ -149,8 +145,8 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
     println!(
         "wrote {}, {}, {} in {:.0} s",
         a.output.display(),
-        with_stem(&a.output, "md").display(),
-        with_stem(&a.output, "svg").display(),
+        a.output.with_extension("md").display(),
+        a.output.with_extension("svg").display(),
         report.seconds
     );
     Ok(())
