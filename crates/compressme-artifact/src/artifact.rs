@@ -327,6 +327,38 @@ impl Writer {
             tensor: name.into(),
             source,
         })?;
+        let mut added = self.add_packed(name, dtype, shape, &packed)?;
+        added.dense_bytes = bytes.len() as u64;
+        Ok(added)
+    }
+
+    /// Stores weights already quantized (a model's packed layer, as it is: no
+    /// re-quantization) for an original tensor of `dtype` and `shape` (rows are the first
+    /// dimension).
+    ///
+    /// # Errors
+    /// As [`Writer::add_dense`]; a shape that does not match the packed rows and columns.
+    pub fn add_packed(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        packed: &compressme_quant::Packed,
+    ) -> Result<Added> {
+        let rows = shape.first().copied().unwrap_or(0);
+        let cols = shape.iter().skip(1).product::<usize>();
+        if shape.len() < 2 || (rows, cols) != (packed.rows(), packed.cols()) || !dtype.is_float() {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: format!(
+                    "packed {} x {} weights do not fit a {} {shape:?} tensor",
+                    packed.rows(),
+                    packed.cols(),
+                    dtype.name()
+                ),
+            });
+        }
+        let format = packed.format();
         self.claim(name)?;
         let before: u64 = self.planned.iter().map(|p| p.len).sum();
         let mut digest = sha2::Sha256::new();
@@ -365,7 +397,7 @@ impl Writer {
         Ok(Added {
             name: name.into(),
             storage: format.to_string(),
-            dense_bytes: bytes.len() as u64,
+            dense_bytes: (rows * cols * dtype.size()) as u64,
             stored_bytes: after - before,
             kept_dense: false,
         })

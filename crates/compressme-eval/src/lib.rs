@@ -156,6 +156,35 @@ pub fn score_documents(
     keep_distributions: bool,
     mut logits: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
 ) -> Result<Scored> {
+    let mut tokens = Vec::new();
+    let mut distributions = Vec::new();
+    for_each_target(
+        docs,
+        window,
+        |ids| logits(ids).map(|rows| (rows, ())),
+        |t, lp, _, ()| {
+            tokens.push(t);
+            if keep_distributions {
+                distributions.push(lp.iter().map(|&v| v as f32).collect());
+            }
+            Ok(())
+        },
+    )?;
+    Ok(Scored {
+        tokens,
+        distributions,
+    })
+}
+
+/// The windows [`score_documents`] runs, and for each the rows it counts: calls
+/// `run(ids)` once a window (returning its logit rows and anything else the caller
+/// needs), then `take(score, log_probs, row, extra)` for every target that window scores.
+fn for_each_target<X>(
+    docs: &[Vec<u32>],
+    window: Window,
+    mut run: impl FnMut(&[u32]) -> std::result::Result<(Vec<Vec<f32>>, X), String>,
+    mut take: impl FnMut(TokenScore, &[f64], usize, &X) -> Result<()>,
+) -> Result<()> {
     // windows overlap by at least one token (see `Window::step`): a window's first token
     // is predicted by the window before it
     if window.len < 2 || window.stride == 0 {
@@ -164,8 +193,6 @@ pub fn score_documents(
             window.len, window.stride
         )));
     }
-    let mut tokens = Vec::new();
-    let mut distributions = Vec::new();
     for (d, doc) in docs.iter().enumerate() {
         let n = doc.len();
         let mut counted = 1; // the next target position not yet scored
@@ -173,7 +200,7 @@ pub fn score_documents(
         while counted < n {
             let end = (start + window.len).min(n);
             let ids = doc.get(start..end).unwrap_or(&[]);
-            let out = logits(ids).map_err(|message| Error::Model {
+            let (out, extra) = run(ids).map_err(|message| Error::Model {
                 doc: d,
                 start,
                 message,
@@ -186,11 +213,11 @@ pub fn score_documents(
                 )));
             }
             for position in counted.max(start + 1)..end {
-                let (Some(row), Some(&target)) = (out.get(position - 1 - start), doc.get(position))
-                else {
+                let row = position - 1 - start;
+                let (Some(logits), Some(&target)) = (out.get(row), doc.get(position)) else {
                     continue;
                 };
-                let lp = log_softmax(row);
+                let lp = log_softmax(logits);
                 let logprob = lp.get(target as usize).copied().ok_or_else(|| {
                     Error::Invalid(format!(
                         "document {d}: token {target} past a vocabulary of {}",
@@ -204,16 +231,14 @@ pub fn score_documents(
                         value: logprob,
                     });
                 }
-                tokens.push(TokenScore {
+                let score = TokenScore {
                     doc: d,
                     position,
                     target,
                     logprob,
                     context: position - start,
-                });
-                if keep_distributions {
-                    distributions.push(lp.iter().map(|&v| v as f32).collect());
-                }
+                };
+                take(score, &lp, row, &extra)?;
             }
             counted = end;
             if end == n {
@@ -222,10 +247,128 @@ pub fn score_documents(
             start += window.step();
         }
     }
-    Ok(Scored {
-        tokens,
-        distributions,
+    Ok(())
+}
+
+/// A variant and its reference scored on the same windows, and the shift between them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PairScored {
+    /// The reference's scores (no distributions kept).
+    pub reference: Scored,
+    /// The variant's scores (no distributions kept).
+    pub variant: Scored,
+    /// KL, top-1 agreement and the correct token's probability change.
+    pub shift: Shift,
+}
+
+/// Scores `variant` and `reference` on the same windows of the same documents, as
+/// [`score_documents`] would, and computes [`shift`] window by window without keeping
+/// any distribution (a vocabulary of 50,000 over thousands of targets would take
+/// gigabytes). `reference(ids)` and `variant(ids)` return next-token logits per position.
+///
+/// # Errors
+/// As [`score_documents`], for either model; logits of different widths.
+pub fn score_pair(
+    docs: &[Vec<u32>],
+    window: Window,
+    mut reference: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+    mut variant: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+) -> Result<PairScored> {
+    let (mut rt, mut vt) = (Vec::new(), Vec::new());
+    let mut acc = ShiftAcc::default();
+    for_each_target(
+        docs,
+        window,
+        |ids| Ok((reference(ids)?, variant(ids)?)),
+        |t, lp_ref, row, rows| {
+            let Some(q_logits) = rows.get(row) else {
+                return Err(Error::Invalid("variant returned too few rows".into()));
+            };
+            if q_logits.len() != lp_ref.len() {
+                return Err(Error::Invalid(format!(
+                    "document {}: the variant's logits are {} wide, the reference's {}",
+                    t.doc,
+                    q_logits.len(),
+                    lp_ref.len()
+                )));
+            }
+            let lq = log_softmax(q_logits);
+            let target = t.target as usize;
+            let vlp = lq.get(target).copied().unwrap_or(f64::NEG_INFINITY);
+            if !vlp.is_finite() {
+                return Err(Error::NonFinite {
+                    doc: t.doc,
+                    position: t.position,
+                    value: vlp,
+                });
+            }
+            acc.add(lp_ref, &lq, target);
+            vt.push(TokenScore {
+                logprob: vlp,
+                ..t.clone()
+            });
+            rt.push(t);
+            Ok(())
+        },
+    )?;
+    Ok(PairScored {
+        reference: Scored {
+            tokens: rt,
+            distributions: Vec::new(),
+        },
+        variant: Scored {
+            tokens: vt,
+            distributions: Vec::new(),
+        },
+        shift: acc.finish(),
     })
+}
+
+/// Running sums of [`Shift`], one target at a time.
+#[derive(Default)]
+struct ShiftAcc {
+    kls: Vec<f64>,
+    dps: Vec<f64>,
+    agree: usize,
+    dp_sum: f64,
+}
+
+impl ShiftAcc {
+    /// Adds a target: log-probabilities of the reference `p` and the variant `q`.
+    fn add<P: Copy + Into<f64>, Q: Copy + Into<f64>>(&mut self, p: &[P], q: &[Q], target: usize) {
+        fn argmax<T: Copy + Into<f64>>(v: &[T]) -> usize {
+            v.iter()
+                .enumerate()
+                .max_by(|a, b| (*a.1).into().total_cmp(&(*b.1).into()))
+                .map_or(0, |(i, _)| i)
+        }
+        let kl: f64 = p
+            .iter()
+            .zip(q)
+            .map(|(&lp, &lq)| {
+                let (lp, lq): (f64, f64) = (lp.into(), lq.into());
+                lp.exp() * (lp - lq)
+            })
+            .sum();
+        self.kls.push(kl.max(0.0));
+        self.agree += usize::from(argmax(p) == argmax(q));
+        let prob = |v: Option<f64>| v.unwrap_or(f64::NEG_INFINITY).exp();
+        let dp = prob(q.get(target).map(|&x| x.into())) - prob(p.get(target).map(|&x| x.into()));
+        self.dp_sum += dp;
+        self.dps.push(dp.abs());
+    }
+
+    fn finish(self) -> Shift {
+        let n = self.kls.len();
+        Shift {
+            targets: n,
+            kl_mean: self.kls.iter().sum::<f64>() / n.max(1) as f64,
+            kl_p99: percentile(self.kls, 0.99),
+            top1_agreement: self.agree as f64 / n.max(1) as f64,
+            dp_correct_mean: self.dp_sum / n.max(1) as f64,
+            dp_correct_abs_p99: percentile(self.dps, 0.99),
+        }
+    }
 }
 
 fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
@@ -275,42 +418,16 @@ pub fn shift(reference: &Scored, variant: &Scored) -> Result<Shift> {
                 .into(),
         ));
     }
-    let argmax = |v: &[f32]| {
-        v.iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map_or(0, |(i, _)| i)
-    };
-    let (mut kls, mut dps) = (Vec::new(), Vec::new());
-    let (mut agree, mut dp_sum) = (0usize, 0f64);
+    let mut acc = ShiftAcc::default();
     for ((p, q), t) in reference
         .distributions
         .iter()
         .zip(&variant.distributions)
         .zip(&reference.tokens)
     {
-        let kl: f64 = p
-            .iter()
-            .zip(q)
-            .map(|(&lp, &lq)| f64::from(lp).exp() * (f64::from(lp) - f64::from(lq)))
-            .sum();
-        kls.push(kl.max(0.0));
-        agree += usize::from(argmax(p) == argmax(q));
-        let t = t.target as usize;
-        let dp = f64::from(q.get(t).copied().unwrap_or(f32::NEG_INFINITY)).exp()
-            - f64::from(p.get(t).copied().unwrap_or(f32::NEG_INFINITY)).exp();
-        dp_sum += dp;
-        dps.push(dp.abs());
+        acc.add(p, q, t.target as usize);
     }
-    let n = kls.len();
-    Ok(Shift {
-        targets: n,
-        kl_mean: kls.iter().sum::<f64>() / n.max(1) as f64,
-        kl_p99: percentile(kls, 0.99),
-        top1_agreement: agree as f64 / n.max(1) as f64,
-        dp_correct_mean: dp_sum / n.max(1) as f64,
-        dp_correct_abs_p99: percentile(dps, 0.99),
-    })
+    Ok(acc.finish())
 }
 
 /// Two variants on the same targets: is `b` better than `a`?

@@ -8,13 +8,16 @@
 //!   ([`compressme_blockstore`]) whose lookups return exactly the original bytes.
 //! - [`Hooks`] / [`Observer`]: modules report their inputs by the checkpoint's dotted names.
 //! - [`Model`]: named modules, output heads, all-or-nothing storage swaps, byte accounting.
-//! - Families: [`Bert`] and [`SentenceEmbedder`] (Hugging Face folders, offline),
-//!   [`CausalLm`] (defined here, trainable with [`AdamW`]).
+//! - Families: [`Bert`] and [`SentenceEmbedder`] (Hugging Face folders, offline);
+//!   pretrained decoders, [`Decoder`] (Llama, GPT-NeoX, GPT-2, with a KV cache) and
+//!   [`LanguageModel`] (a decoder with its tokenizer, from a Hugging Face folder, a llama
+//!   GGUF file or an artifact); [`CausalLm`] (defined here, trainable with [`AdamW`]).
 //! - [`llama_quantize`] puts llama.cpp's formats (through candle's GGUF types) beside ours.
 //!
 //! What it is not: a file format (see `compressme-artifact`), a profiler or planner (they
-//! observe these models through [`Hooks`]), or a general model zoo: other families arrive
-//! as the design's phase 2.
+//! observe these models through [`Hooks`]), or a general model zoo: families and
+//! settings it does not implement (other `model_type`s, rope scaling, sliding windows)
+//! are refused by name.
 //!
 //! # Example
 //! ```
@@ -38,6 +41,7 @@
 
 pub mod bert;
 pub mod causal;
+pub mod decoder;
 mod embedding;
 mod error;
 mod hook;
@@ -50,11 +54,12 @@ mod table;
 
 pub use bert::{Bert, BertConfig, SentenceEmbedder};
 pub use causal::{AdamW, CausalConfig, CausalLm};
+pub use decoder::{Decoder, DecoderConfig, Family, KvCache, LanguageModel};
 pub use embedding::{PackOptions, PackedFrozenEmbedding, PackingReport};
 pub use error::{Error, Result};
 pub use hook::{HookGuard, Hooks, Observer};
 pub use linear::{DIRECT_MAX_ROWS, Linear, TILE_WEIGHTS, Weight};
 pub use llama::{LlamaFormat, LlamaQuantized, llama_qtensor, llama_quantize};
-pub use load::apply_artifact;
+pub use load::{apply_artifact, write_artifact};
 pub use model::{Model, ModuleInfo, ModuleKind, ModuleMut, ModuleRef, Storage, StorageReport};
 pub use table::{Embedding, Table};

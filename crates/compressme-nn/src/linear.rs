@@ -7,7 +7,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use compressme_quant::{Format, Packed};
 
-use crate::{Error, Hooks, Result, Storage};
+use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
 /// Rows of `x` up to which a packed layer runs the packed kernels directly; above it, the
 /// weight is dequantized tile by tile into a reused scratch buffer and multiplied with
@@ -31,6 +31,9 @@ pub enum Weight {
     /// with candle's quantized kernels: kept so those formats can be run and timed beside
     /// ours on the same model.
     Ggml(Arc<QTensor>),
+    /// Lossless row blocks: exactly the original weights, decoded for every product
+    /// (storage for a weight that must stay exact, at the cost of a decode per call).
+    Lossless(Arc<PackedFrozenEmbedding>),
 }
 
 impl Weight {
@@ -41,6 +44,7 @@ impl Weight {
             Self::Dense(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
             Self::Packed(p) => p.stored_bytes() as u64,
             Self::Ggml(q) => q.storage_size_in_bytes() as u64,
+            Self::Lossless(e) => e.stored_bytes(),
         }
     }
 
@@ -51,6 +55,7 @@ impl Weight {
             Self::Dense(t) => format!("dense {:?}", t.dtype()).to_lowercase(),
             Self::Packed(p) => p.format().to_string(),
             Self::Ggml(q) => format!("candle {:?}", q.dtype()).to_lowercase(),
+            Self::Lossless(_) => "lossless".into(),
         }
     }
 }
@@ -159,15 +164,58 @@ impl Linear {
                 .dequantize(&Device::Cpu)?
                 .flatten_all()?
                 .to_vec1::<f32>()?),
+            Weight::Lossless(e) => Ok(e
+                .weight()?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?),
         }
+    }
+
+    /// Rows `ids` of the weight (u8, u32 or i64, any shape) as `ids.shape + [in]` f32:
+    /// the lookup of a token embedding that doubles as the output head. Only the rows
+    /// asked for are decoded (all of them for candle's formats). Not reported to the
+    /// observer: a tied module's statistics are those of its product.
+    ///
+    /// # Errors
+    /// Unsupported, negative or out-of-range ids; a block that fails to decode.
+    pub fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut shape = ids.dims().to_vec();
+        shape.push(self.in_features);
+        let flat = crate::embedding::ids_u64(ids)?;
+        if let Some(&bad) = flat.iter().find(|&&i| i >= self.out_features as u64) {
+            return Err(Error::Shape(format!(
+                "{}: id {bad} is past {} rows",
+                self.name, self.out_features
+            )));
+        }
+        let idx = Tensor::from_vec(
+            flat.iter().map(|&i| i as u32).collect::<Vec<u32>>(),
+            flat.len(),
+            &Device::Cpu,
+        )?;
+        let rows = match &self.weight {
+            Weight::Dense(t) => t.embedding(&idx.to_device(t.device())?)?,
+            Weight::Packed(p) => {
+                let ids: Vec<usize> = flat.iter().map(|&i| i as usize).collect();
+                Tensor::from_vec(
+                    p.dequantize_rows(&ids)?,
+                    (ids.len(), self.in_features),
+                    &Device::Cpu,
+                )?
+            }
+            Weight::Ggml(q) => q.dequantize(&Device::Cpu)?.embedding(&idx)?,
+            Weight::Lossless(e) => e.lookup(&idx)?.to_dtype(DType::F32)?,
+        };
+        Ok(rows.reshape(shape)?)
     }
 
     /// The weight `storage` asks for, built from this layer's weight; the layer is not
     /// changed (see [`Linear::set_weight`]).
     ///
     /// # Errors
-    /// [`Error::BadStorage`] for lossless storage or `Int8Rows` (embedding-only), and
-    /// quantization errors (a non-finite weight).
+    /// [`Error::BadStorage`] for `Int8Rows` (embedding-only; `int8` is the same grid for
+    /// a linear), and quantization or packing errors (a non-finite weight).
     pub fn prepare(&self, storage: &Storage, device: &Device) -> Result<Weight> {
         match storage {
             Storage::Dense => {
@@ -191,10 +239,20 @@ impl Linear {
                     *f,
                 )?)))
             }
-            Storage::Lossless(_) => Err(Error::BadStorage {
-                module: self.name.clone(),
-                reason: "lossless storage is for embedding tables".into(),
-            }),
+            Storage::Lossless(opts) => {
+                let w = match &self.weight {
+                    // the exact bytes of a lossless weight stay as they are
+                    Weight::Lossless(e) => e.weight()?,
+                    _ => Tensor::from_vec(
+                        self.weight_f32()?,
+                        (self.out_features, self.in_features),
+                        &Device::Cpu,
+                    )?,
+                };
+                Ok(Weight::Lossless(Arc::new(PackedFrozenEmbedding::new(
+                    &w, opts,
+                )?)))
+            }
         }
     }
 
@@ -207,6 +265,10 @@ impl Linear {
             Weight::Dense(t) => t.dims2()?,
             Weight::Packed(p) => (p.rows(), p.cols()),
             Weight::Ggml(q) => q.shape().dims2()?,
+            Weight::Lossless(e) => (
+                usize::try_from(e.num_embeddings()).unwrap_or(usize::MAX),
+                e.dim(),
+            ),
         };
         if shape != (self.out_features, self.in_features) {
             return Err(Error::Shape(format!(
@@ -237,6 +299,16 @@ impl Linear {
                 QMatMul::from_arc(Arc::clone(q))?
                     .forward(&x32)?
                     .to_dtype(x.dtype())?
+            }
+            Weight::Lossless(e) => {
+                let w = e.weight()?.to_dtype(DType::F32)?;
+                let x32 = x.to_dtype(DType::F32)?;
+                let y = match x32.dims() {
+                    [b1, b2, _, _] => x32.matmul(&w.broadcast_left((*b1, *b2))?.t()?)?,
+                    [b, _, _] => x32.matmul(&w.broadcast_left(*b)?.t()?)?,
+                    _ => x32.matmul(&w.t()?)?,
+                };
+                y.to_dtype(x.dtype())?
             }
         };
         Ok(match &self.bias {

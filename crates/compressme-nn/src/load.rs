@@ -28,15 +28,16 @@ enum Staged {
 
 /// Gives every module whose weight the artifact holds (`NAME.weight` for module `NAME`)
 /// that weight in the artifact's storage: packed codes stay packed (no re-quantization),
-/// lossless tables stay in their verified blocks, dense weights become dense tensors.
+/// lossless weights and tables stay in their verified blocks, dense weights become dense
+/// tensors.
 /// All or nothing: every such weight is read, verified and checked against its module's
 /// shape before any module changes; on an error the model is as it was.
 /// Returns how many modules changed. Tensors that are not module weights (biases, norms)
 /// are left to the loader that built the model.
 ///
 /// # Errors
-/// A shape that differs from the module's, an embedding stored quantized in a format
-/// other than `int8-rows`, and any read or verification error of the artifact.
+/// A shape that differs from the module's, and any read or verification error of the
+/// artifact.
 pub fn apply_artifact<M: Model>(model: &mut M, artifact: &mut Artifact) -> Result<usize> {
     let names: Vec<(String, String, String, Vec<usize>)> = artifact
         .recipe()
@@ -71,24 +72,20 @@ pub fn apply_artifact<M: Model>(model: &mut M, artifact: &mut Artifact) -> Resul
         let is_linear = matches!(model.module(&module), Some(ModuleRef::Linear(_)));
         let built = match (is_linear, stored) {
             (true, Stored::Quantized(p)) => Staged::Linear(Weight::Packed(Arc::new(p))),
-            (false, Stored::Quantized(p)) => {
-                if p.format() != compressme_quant::Format::Int8Rows {
-                    return Err(Error::BadStorage {
-                        module,
-                        reason: format!("an embedding stored as {}", p.format()),
-                    });
+            (false, Stored::Quantized(p)) => Staged::Embedding(Table::Packed(Arc::new(p))),
+            (is_linear, Stored::Lossless(store)) => {
+                let e = Arc::new(PackedFrozenEmbedding::from_store(
+                    store,
+                    dtype,
+                    &Device::Cpu,
+                )?);
+                if is_linear {
+                    Staged::Linear(Weight::Lossless(e))
+                } else {
+                    Staged::Embedding(Table::Lossless(e))
                 }
-                Staged::Embedding(Table::Int8Rows(Arc::new(p)))
             }
-            (false, Stored::Lossless(store)) => Staged::Embedding(Table::Lossless(Arc::new(
-                PackedFrozenEmbedding::from_store(store, dtype, &Device::Cpu)?,
-            ))),
-            (is_linear, stored) => {
-                let (bytes, _) = match stored {
-                    Stored::Dense(b) => (b, true),
-                    Stored::Lossless(s) => (s.decode_all()?, true),
-                    Stored::Quantized(_) => (Vec::new(), false),
-                };
+            (is_linear, Stored::Dense(bytes)) => {
                 let t = Tensor::from_raw_buffer(&bytes, dtype, &shape, &Device::Cpu)?;
                 if is_linear {
                     Staged::Linear(Weight::Dense(t.to_dtype(DType::F32)?))
@@ -113,4 +110,85 @@ pub fn apply_artifact<M: Model>(model: &mut M, artifact: &mut Artifact) -> Resul
         }
     }
     Ok(n)
+}
+
+/// Writes `tensors` (every parameter of `model` under its checkpoint name, as
+/// [`crate::Decoder::tensors`] lists them) to an artifact at `path`, each module weight
+/// in the module's current storage: packed codes as they are (no re-quantization),
+/// lossless weights re-sealed in blocks of the same rows, dense weights dense; every
+/// other tensor dense. `metadata` goes into the recipe's source metadata.
+///
+/// # Errors
+/// A module stored in candle's formats (not an artifact storage), and the writer's errors
+/// (the file is then not created).
+pub fn write_artifact<M: Model>(
+    model: &M,
+    tensors: &[(String, Tensor)],
+    metadata: std::collections::BTreeMap<String, String>,
+    path: &std::path::Path,
+) -> Result<compressme_artifact::Summary> {
+    use compressme_artifact::Writer;
+    use compressme_blockstore::Coder;
+    let mut w = Writer::create(path)?;
+    w.recipe_mut().source_metadata = metadata;
+    let bytes_of = |t: &Tensor| -> Result<(Dtype, Vec<u8>)> {
+        let t32 = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok((Dtype::F32, compressme_artifact::from_f32(Dtype::F32, &t32)))
+    };
+    // the blocks' exact bytes, re-sealed: NaN payloads and all
+    let lossless = |w: &mut Writer, name: &str, e: &PackedFrozenEmbedding| -> Result<()> {
+        let dtype = match e.dtype() {
+            DType::BF16 => Dtype::Bf16,
+            DType::F16 => Dtype::F16,
+            DType::F64 => Dtype::F64,
+            _ => Dtype::F32,
+        };
+        let rows = usize::try_from(e.num_embeddings())
+            .map_err(|_| Error::Shape(format!("{name}: too many rows")))?;
+        w.add_lossless(
+            name,
+            dtype,
+            &[rows, e.dim()],
+            &e.store().decode_all()?,
+            e.store().block_rows(),
+            Coder::default(),
+        )?;
+        Ok(())
+    };
+    for (name, t) in tensors {
+        let module = name.strip_suffix(".weight").and_then(|m| model.module(m));
+        match module {
+            Some(ModuleRef::Linear(l)) => match l.weight() {
+                Weight::Packed(p) => {
+                    w.add_packed(name, Dtype::F32, t.dims(), p)?;
+                }
+                Weight::Lossless(e) => lossless(&mut w, name, e)?,
+                Weight::Ggml(_) => {
+                    return Err(Error::BadStorage {
+                        module: l.name().to_string(),
+                        reason: "candle's formats are not an artifact storage".into(),
+                    });
+                }
+                Weight::Dense(_) => {
+                    let (d, b) = bytes_of(t)?;
+                    w.add_dense(name, d, t.dims(), &b)?;
+                }
+            },
+            Some(ModuleRef::Embedding(e)) => match e.table() {
+                Table::Packed(p) => {
+                    w.add_packed(name, Dtype::F32, t.dims(), p)?;
+                }
+                Table::Lossless(p) => lossless(&mut w, name, p)?,
+                Table::Dense(_) => {
+                    let (d, b) = bytes_of(t)?;
+                    w.add_dense(name, d, t.dims(), &b)?;
+                }
+            },
+            None => {
+                let (d, b) = bytes_of(t)?;
+                w.add_dense(name, d, t.dims(), &b)?;
+            }
+        }
+    }
+    Ok(w.finish()?)
 }

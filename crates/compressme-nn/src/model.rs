@@ -10,9 +10,9 @@ use crate::{Embedding, Error, Hooks, Linear, PackOptions, Result, Table, Weight}
 pub enum Storage {
     /// Dense f32.
     Dense,
-    /// A `compressme-quant` format (`Int8Rows` for embeddings only).
+    /// A `compressme-quant` format (`Int8Rows` for embeddings only; linears use `Int8`).
     Quant(Format),
-    /// Lossless row blocks (embeddings only).
+    /// Lossless row blocks (exact; for linears, decoded at every product).
     Lossless(PackOptions),
 }
 
@@ -169,7 +169,9 @@ pub trait Model {
                 Some(ModuleRef::Linear(l)) => {
                     let device = match l.weight() {
                         Weight::Dense(t) => t.device().clone(),
-                        Weight::Packed(_) | Weight::Ggml(_) => candle_core::Device::Cpu,
+                        Weight::Packed(_) | Weight::Ggml(_) | Weight::Lossless(_) => {
+                            candle_core::Device::Cpu
+                        }
                     };
                     Staged::Linear(l.prepare(storage, &device)?)
                 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use compressme_quant::{Format, Packed};
+use compressme_quant::Packed;
 
 use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
@@ -12,8 +12,9 @@ use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 pub enum Table {
     /// A dense tensor `[rows, dim]` (trainable when it is a candle `Var`).
     Dense(Tensor),
-    /// One INT8 code a value and one scale a row; all-zero rows stay exactly zero.
-    Int8Rows(Arc<Packed>),
+    /// Packed codes and scales in any `compressme-quant` format (`int8-rows` keeps
+    /// all-zero rows exactly zero); a lookup dequantizes only the rows asked for.
+    Packed(Arc<Packed>),
     /// Lossless row blocks: lookups return the original bytes.
     Lossless(Arc<PackedFrozenEmbedding>),
 }
@@ -24,17 +25,17 @@ impl Table {
     pub fn stored_bytes(&self) -> u64 {
         match self {
             Self::Dense(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
-            Self::Int8Rows(p) => p.stored_bytes() as u64,
+            Self::Packed(p) => p.stored_bytes() as u64,
             Self::Lossless(e) => e.stored_bytes(),
         }
     }
 
-    /// `dense f32`, `int8-rows` or `lossless`.
+    /// `dense f32`, the format's name, or `lossless`.
     #[must_use]
     pub fn describe(&self) -> String {
         match self {
             Self::Dense(t) => format!("dense {:?}", t.dtype()).to_lowercase(),
-            Self::Int8Rows(_) => Format::Int8Rows.to_string(),
+            Self::Packed(p) => p.format().to_string(),
             Self::Lossless(_) => "lossless".into(),
         }
     }
@@ -119,7 +120,7 @@ impl Embedding {
         match &self.table {
             Table::Dense(t) => Ok(t.detach()),
             Table::Lossless(e) => e.weight(),
-            Table::Int8Rows(p) => {
+            Table::Packed(p) => {
                 let mut out = vec![0f32; self.rows * self.dim];
                 p.dequantize_into(&mut out)?;
                 Ok(Tensor::from_vec(out, (self.rows, self.dim), &self.device)?
@@ -132,8 +133,8 @@ impl Embedding {
     /// changed (see [`Embedding::set_table`]).
     ///
     /// # Errors
-    /// [`Error::BadStorage`] for formats other than `Int8Rows`, packing and quantization
-    /// errors.
+    /// Packing and quantization errors (a non-finite weight, a width a format cannot
+    /// group).
     pub fn prepare(&self, storage: &Storage) -> Result<Table> {
         match storage {
             Storage::Dense => Ok(Table::Dense(self.weight()?)),
@@ -141,23 +142,16 @@ impl Embedding {
                 let e = PackedFrozenEmbedding::new(&self.weight()?, opts)?;
                 Ok(Table::Lossless(Arc::new(e.to_device(&self.device))))
             }
-            Storage::Quant(Format::Int8Rows) => {
+            Storage::Quant(f) => {
                 let w = self
                     .weight()?
                     .to_dtype(DType::F32)?
                     .flatten_all()?
                     .to_vec1::<f32>()?;
-                Ok(Table::Int8Rows(Arc::new(compressme_quant::quantize(
-                    &w,
-                    self.rows,
-                    self.dim,
-                    Format::Int8Rows,
+                Ok(Table::Packed(Arc::new(compressme_quant::quantize(
+                    &w, self.rows, self.dim, *f,
                 )?)))
             }
-            Storage::Quant(f) => Err(Error::BadStorage {
-                module: self.name.clone(),
-                reason: format!("an embedding table is dense, int8-rows or lossless, not {f}"),
-            }),
         }
     }
 
@@ -180,7 +174,7 @@ impl Embedding {
                 shape.push(self.dim);
                 t.embedding(&flat)?.reshape(shape)?
             }
-            Table::Int8Rows(p) => {
+            Table::Packed(p) => {
                 let flat = crate::embedding::ids_u64(ids)?;
                 let idx = flat
                     .iter()

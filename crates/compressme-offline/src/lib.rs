@@ -254,28 +254,118 @@ pub fn evaluate_causal(
         len: cfg.context,
         stride,
     };
-    let score = |m: &compressme_nn::CausalLm| {
-        compressme_eval::score_documents(docs, window, reference.is_some(), |ids| {
-            m.logit_rows(ids).map_err(|e| e.to_string())
-        })
+    evaluate_logits(
+        docs,
+        window,
+        |ids: &[u32]| model.logit_rows(ids).map_err(|e| e.to_string()),
+        reference.map(|r| move |ids: &[u32]| r.logit_rows(ids).map_err(|e| e.to_string())),
+    )
+}
+
+/// Scores `model` on `docs` with `window`, and against `reference` when given (one pass
+/// over the windows, no distribution kept): any model whose next-token logits a closure
+/// returns.
+///
+/// # Errors
+/// A model or non-finite failure naming the document and position; a bad window.
+pub fn evaluate_logits<F, G>(
+    docs: &[Vec<u32>],
+    window: compressme_eval::Window,
+    mut model: F,
+    reference: Option<G>,
+) -> Result<CausalEvaluation>
+where
+    F: FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+    G: FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+{
+    let Some(reference) = reference else {
+        let s = compressme_eval::score_documents(docs, window, false, model)?;
+        return Ok(CausalEvaluation {
+            targets: s.tokens.len(),
+            window,
+            mean_nll: s.mean_nll(),
+            perplexity: s.perplexity(),
+            reference_perplexity: None,
+            shift: None,
+            paired: None,
+        });
     };
-    let s = score(model)?;
-    let (reference_perplexity, shift, paired) = match reference {
-        Some(r) => {
-            let rs = score(r)?;
-            let sh = compressme_eval::shift(&rs, &s)?;
-            let p = compressme_eval::paired(&rs.nll(), &s.nll(), 2000, 42)?;
-            (Some(rs.perplexity()), Some(sh), Some(p))
-        }
-        None => (None, None, None),
-    };
+    let pair = compressme_eval::score_pair(docs, window, reference, &mut model)?;
+    let (rs, s) = (&pair.reference, &pair.variant);
+    let paired = compressme_eval::paired(&rs.nll(), &s.nll(), 2000, 42)?;
     Ok(CausalEvaluation {
         targets: s.tokens.len(),
         window,
         mean_nll: s.mean_nll(),
         perplexity: s.perplexity(),
-        reference_perplexity,
-        shift,
-        paired,
+        reference_perplexity: Some(rs.perplexity()),
+        shift: Some(pair.shift),
+        paired: Some(paired),
     })
+}
+
+/// Perplexity of a pretrained decoder on one document of token ids, windows of
+/// `window.len` tokens starting every `window.stride`, every target but the first scored
+/// once, in the earliest window that holds it; against `reference` (the f32 model) when
+/// given. `progress` counts windows.
+///
+/// # Errors
+/// A window longer than the model's context, token ids past its vocabulary, a reference
+/// of another configuration, and the model's failures naming the position.
+pub fn evaluate_decoder(
+    model: &compressme_nn::Decoder,
+    reference: Option<&compressme_nn::Decoder>,
+    ids: &[u32],
+    window: compressme_eval::Window,
+    progress: &dyn Progress,
+) -> Result<CausalEvaluation> {
+    let cfg = model.config();
+    if let Some(r) = reference
+        && (r.config().vocab, r.config().context) != (cfg.vocab, cfg.context)
+    {
+        return Err(Error::Config(format!(
+            "the reference has a vocabulary of {} and a context of {}, the model {} and {}",
+            r.config().vocab,
+            r.config().context,
+            cfg.vocab,
+            cfg.context
+        )));
+    }
+    if window.len > cfg.context {
+        return Err(Error::Config(format!(
+            "windows of {} tokens, the model's context is {}",
+            window.len, cfg.context
+        )));
+    }
+    if let Some((i, t)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= cfg.vocab)
+    {
+        return Err(Error::Config(format!(
+            "token {i} is {t}, past the vocabulary of {}",
+            cfg.vocab
+        )));
+    }
+    let n = ids.len();
+    let windows = if n < 2 {
+        0
+    } else {
+        1 + n.saturating_sub(window.len).div_ceil(window.step())
+    };
+    progress.stage("windows", windows as u64);
+    let docs = [ids.to_vec()];
+    let counted = |w: &[u32]| {
+        let r = model.logit_rows(w).map_err(|e| e.to_string());
+        progress.inc(1);
+        r
+    };
+    let e = evaluate_logits(
+        &docs,
+        window,
+        counted,
+        reference.map(|r| move |w: &[u32]| r.logit_rows(w).map_err(|e| e.to_string())),
+    )?;
+    progress.done(&format!("{} targets in {windows} windows", e.targets));
+    Ok(e)
 }

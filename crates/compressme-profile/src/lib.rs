@@ -227,6 +227,12 @@ pub struct Profile {
     pub batches: usize,
     /// By module name.
     pub modules: BTreeMap<String, ModuleStats>,
+    /// The model's output heads ([`Model::output_heads`]) when they are not the planner's
+    /// default, `lm_head` alone: the token embedding of a tied model, GPT-NeoX's
+    /// `embed_out`. Empty (and absent from the JSON, so profiles of models with an
+    /// `lm_head` are as they were) otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub output_heads: Vec<String>,
 }
 
 impl Profile {
@@ -447,6 +453,9 @@ impl ActivationRecorder {
             tokens,
             batches: batches.len(),
             modules,
+            output_heads: Some(model.output_heads())
+                .filter(|h| h.as_slice() != ["lm_head"])
+                .unwrap_or_default(),
         })
     }
 }

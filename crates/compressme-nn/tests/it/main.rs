@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
 mod bert;
+mod decoders;
 mod embedding;
 mod layers;
 mod model;

@@ -15,7 +15,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// How `pack` stores tensors.
 #[derive(clap::Args)]
 pub(crate) struct PackArgs {
-    /// model.safetensors, a model folder, or model.safetensors.index.json.
+    /// model.safetensors, a model folder, model.safetensors.index.json, or a llama GGUF
+    /// file. A folder of a decoder compressme runs (Llama, GPT-NeoX, GPT-2) and a GGUF
+    /// file are packed as a model: every linear weight `[out, in]`, GGUF tensors
+    /// dequantized to f32 under Hugging Face names, and the configuration, tokenizer and
+    /// source file's SHA-256 in the artifact, so `evaluate` and `generate` need nothing
+    /// else.
     pub(crate) input: PathBuf,
     /// The artifact to write (written beside it and renamed when verified).
     #[arg(short, long)]
@@ -70,11 +75,101 @@ fn bar(total: u64) -> ProgressBar {
     pb
 }
 
+/// What `pack` reads: a checkpoint a tensor at a time, or a decoder's tensors as the
+/// model holds them.
+enum Input {
+    Checkpoint(Checkpoint),
+    Model(BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+}
+
+impl Input {
+    fn entries(&self) -> Vec<(String, Dtype, Vec<usize>)> {
+        match self {
+            Self::Checkpoint(c) => c
+                .entries()
+                .map(|e| (e.name.clone(), e.dtype, e.shape.clone()))
+                .collect(),
+            Self::Model(m) => m
+                .iter()
+                .map(|(n, (d, s, _))| (n.clone(), *d, s.clone()))
+                .collect(),
+        }
+    }
+
+    /// The tensor's bytes (a model's are handed over, not copied).
+    fn read(&mut self, name: &str) -> Result<Vec<u8>> {
+        match self {
+            Self::Checkpoint(c) => Ok(c.read(name)?),
+            Self::Model(m) => m
+                .remove(name)
+                .map(|(_, _, b)| b)
+                .with_context(|| format!("tensor `{name}` read twice")),
+        }
+    }
+}
+
+fn dense_len(dtype: Dtype, shape: &[usize]) -> u64 {
+    shape.iter().product::<usize>() as u64 * dtype.size() as u64
+}
+
+/// A decoder's tensors (every linear `[out, in]`, f32), the metadata that lets the
+/// artifact run alone, and its modules' shapes for plan validation.
+type ModelInput = (
+    Input,
+    BTreeMap<String, String>,
+    BTreeMap<String, compressme::plan::ModuleShape>,
+    String,
+);
+
+fn model_input(path: &Path) -> Result<ModelInput> {
+    use compressme::nn::Model;
+    let lm = crate::lm_cmds::open(path)?;
+    let mut tensors = BTreeMap::new();
+    for (name, t) in lm.model.tensors()? {
+        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        tensors.insert(
+            name,
+            (
+                Dtype::F32,
+                t.dims().to_vec(),
+                compressme::artifact::from_f32(Dtype::F32, &values),
+            ),
+        );
+    }
+    let mut shapes = BTreeMap::new();
+    for m in lm.model.modules() {
+        shapes.insert(
+            m.name.clone(),
+            compressme::plan::ModuleShape {
+                rows: m.rows,
+                cols: m.cols,
+                embedding: m.kind == compressme::nn::ModuleKind::Embedding,
+            },
+        );
+    }
+    let tokenizer_sha = sha256_hex(lm.tokenizer_json.as_bytes());
+    Ok((
+        Input::Model(tensors),
+        lm.artifact_metadata()?,
+        shapes,
+        tokenizer_sha,
+    ))
+}
+
 pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let t0 = Instant::now();
-    let mut ckpt = Checkpoint::open(&a.input, &Limits::default())
-        .with_context(|| format!("reading checkpoint {}", a.input.display()))?;
-    let names: Vec<String> = ckpt.entries().map(|e| e.name.clone()).collect();
+    let (mut ckpt, metadata, model_shapes, tokenizer_sha) = if crate::lm_cmds::is_decoder(&a.input)
+    {
+        let (input, meta, shapes, tok) = model_input(&a.input)?;
+        (input, meta, Some(shapes), Some(tok))
+    } else {
+        let c = Checkpoint::open(&a.input, &Limits::default())
+            .with_context(|| format!("reading checkpoint {}", a.input.display()))?;
+        let meta = c.metadata().clone();
+        (Input::Checkpoint(c), meta, None, None)
+    };
+    let entries = ckpt.entries();
+    let names: Vec<String> = entries.iter().map(|e| e.0.clone()).collect();
     let format = a
         .format
         .as_deref()
@@ -104,21 +199,21 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let mut by_tensor: BTreeMap<String, Choice> = BTreeMap::new();
     if let Some(plan) = &plan {
         let mut shapes = BTreeMap::new();
-        for e in ckpt.entries() {
-            if let [rows, cols] = e.shape[..] {
-                let module = e
-                    .name
-                    .strip_suffix(".weight")
-                    .unwrap_or(&e.name)
-                    .to_string();
-                let embedding = module.contains("embed");
+        for (name, _, shape) in &entries {
+            if let [rows, cols] = shape[..] {
+                let module = name.strip_suffix(".weight").unwrap_or(name).to_string();
+                // a model's own module kinds; a bare checkpoint's by name
+                let embedding = match &model_shapes {
+                    Some(m) => m.get(&module).is_some_and(|s| s.embedding),
+                    None => module.contains("embed"),
+                };
                 let shape = compressme::plan::ModuleShape {
                     rows,
                     cols,
                     embedding,
                 };
                 shapes.insert(module, shape);
-                shapes.insert(e.name.clone(), shape);
+                shapes.insert(name.clone(), shape);
             }
         }
         plan.validate(&shapes).with_context(|| {
@@ -157,11 +252,16 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         },
         |level| Coder::Zstd { level },
     );
-    let total: u64 = ckpt.entries().map(|e| e.len()).sum();
-    let largest = ckpt.largest();
+    let total: u64 = entries.iter().map(|(_, d, s)| dense_len(*d, s)).sum();
+    let largest = entries
+        .iter()
+        .map(|(_, d, s)| dense_len(*d, s))
+        .max()
+        .unwrap_or(0);
     let mut w =
         Writer::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
-    w.recipe_mut().source_metadata = ckpt.metadata().clone();
+    w.recipe_mut().source_metadata = metadata;
+    w.recipe_mut().tokenizer_sha256 = tokenizer_sha;
     if let Some(p) = &profile {
         w.recipe_mut().calibration_sha256 = Some(p.calibration_sha256.clone());
     }
@@ -171,30 +271,23 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     }
     let pb = bar(total);
     let mut report = Vec::with_capacity(names.len());
-    for name in &names {
+    for (name, dtype, shape) in &entries {
         pb.set_message(name.clone());
-        let entry = ckpt
-            .entries()
-            .find(|e| &e.name == name)
-            .cloned()
-            .context("tensor vanished")?;
         let bytes = ckpt.read(name)?;
-        let quantizable = entry.dtype.is_float() && entry.shape.len() >= 2;
+        let quantizable = dtype.is_float() && shape.len() >= 2;
         let choice = match by_tensor.remove(name) {
             Some(c) => c,
             None => match format {
                 Some(f) if quantizable && !keep.as_ref().is_some_and(|k| k.is_match(name)) => {
                     Choice::Quant(f)
                 }
-                _ if a.lossless && entry.dtype.is_float() => Choice::Lossless,
+                _ if a.lossless && dtype.is_float() => Choice::Lossless,
                 _ => Choice::Dense,
             },
         };
         let added = match choice {
-            Choice::Dense => w.add_dense(name, entry.dtype, &entry.shape, &bytes)?,
-            Choice::Lossless => {
-                w.add_lossless(name, entry.dtype, &entry.shape, &bytes, a.block_rows, coder)?
-            }
+            Choice::Dense => w.add_dense(name, *dtype, shape, &bytes)?,
+            Choice::Lossless => w.add_lossless(name, *dtype, shape, &bytes, a.block_rows, coder)?,
             Choice::Quant(f) => {
                 let module = name.strip_suffix(".weight").unwrap_or(name);
                 let importance: Vec<f32> = profile
@@ -202,7 +295,7 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                     .and_then(|p| p.modules.get(module))
                     .map(|m| m.channel_mean_sq().iter().map(|v| *v as f32).collect())
                     .unwrap_or_default();
-                w.add_quantized_weighted(name, entry.dtype, &entry.shape, &bytes, f, &importance)?
+                w.add_quantized_weighted(name, *dtype, shape, &bytes, f, &importance)?
             }
         };
         tracing::debug!(tensor = %name, storage = %added.storage, dense = added.dense_bytes, stored = added.stored_bytes);
@@ -213,7 +306,7 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
             ));
         }
         report.push(added);
-        pb.inc(entry.len());
+        pb.inc(dense_len(*dtype, shape));
     }
     pb.set_message("verifying");
     let summary = w.finish().context("writing the artifact")?;

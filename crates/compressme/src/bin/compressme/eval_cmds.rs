@@ -155,20 +155,30 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
 /// Options of `compressme evaluate`.
 #[derive(clap::Args)]
 pub(crate) struct EvaluateArgs {
-    /// A causal-model artifact (from `compressme bench`), or a BERT artifact (with
-    /// --reference naming its model folder), or a BERT model folder.
+    /// A pretrained decoder (a Hugging Face folder, a llama GGUF file, or an artifact
+    /// packed from one), a causal-model artifact (from `compressme bench`), a BERT
+    /// artifact (with --reference naming its model folder), or a BERT model folder.
     model: PathBuf,
-    /// Held-out data: for causal models, token ids separated by spaces, one document a
-    /// line; for BERT, one text a line.
+    /// Decoders: held-out text, one document (tokenized without special tokens).
     #[arg(long)]
-    data: PathBuf,
-    /// The f32 reference: a causal artifact (fp32.cma), or the BERT model folder
-    /// (config.json, tokenizer.json, model.safetensors).
+    text: Option<PathBuf>,
+    /// Held-out data for the other models: for causal artifacts, token ids separated by
+    /// spaces, one document a line; for BERT, one text a line.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// The f32 reference: for a decoder, the model it was packed from (folder, GGUF or
+    /// artifact); a causal artifact (fp32.cma); or the BERT model folder.
     #[arg(long)]
     reference: Option<PathBuf>,
-    /// Causal models: window stride (default half the context).
+    /// Decoders: tokens a window (default the smaller of the model's context and 512).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Window stride (default half the window).
     #[arg(long)]
     stride: Option<usize>,
+    /// Decoders: score only the first N tokens of the text.
+    #[arg(long)]
+    max_tokens: Option<usize>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -185,8 +195,28 @@ fn is_causal_artifact(path: &Path) -> bool {
 }
 
 pub(crate) fn evaluate(a: &EvaluateArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.data)
-        .with_context(|| format!("reading {}", a.data.display()))?;
+    if a.text.is_some() || crate::lm_cmds::is_decoder(&a.model) {
+        let Some(text) = &a.text else {
+            bail!(
+                "{} is a decoder: give --text FILE (held-out text, one document)",
+                a.model.display()
+            );
+        };
+        return crate::lm_cmds::evaluate(&crate::lm_cmds::EvalOptions {
+            model: &a.model,
+            text,
+            reference: a.reference.as_deref(),
+            context: a.context,
+            stride: a.stride,
+            max_tokens: a.max_tokens,
+            json: a.json,
+        });
+    }
+    let Some(data) = &a.data else {
+        bail!("give --data FILE (token ids or one text a line), or --text FILE for a decoder");
+    };
+    let text =
+        std::fs::read_to_string(data).with_context(|| format!("reading {}", data.display()))?;
     let dev = Device::Cpu;
     if a.model.is_file() && is_causal_artifact(&a.model) {
         let docs: Vec<Vec<u32>> = text
@@ -197,11 +227,7 @@ pub(crate) fn evaluate(a: &EvaluateArgs) -> Result<()> {
                 l.split_whitespace()
                     .map(|t| {
                         t.parse::<u32>().with_context(|| {
-                            format!(
-                                "{} line {}: `{t}` is not a token id",
-                                a.data.display(),
-                                i + 1
-                            )
+                            format!("{} line {}: `{t}` is not a token id", data.display(), i + 1)
                         })
                     })
                     .collect::<Result<Vec<u32>>>()
@@ -275,7 +301,7 @@ pub(crate) fn evaluate(a: &EvaluateArgs) -> Result<()> {
         .with_context(|| format!("loading {}", dir.display()))?;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     if lines.len() < 2 {
-        bail!("{}: need at least two non-empty lines", a.data.display());
+        bail!("{}: need at least two non-empty lines", data.display());
     }
     let (mut r, mut v) = (Vec::new(), Vec::new());
     for chunk in lines.chunks(32) {

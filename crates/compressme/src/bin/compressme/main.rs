@@ -2,6 +2,7 @@
 
 mod artifact_cmds;
 mod eval_cmds;
+mod lm_cmds;
 mod plan_cmds;
 
 use std::path::{Path, PathBuf};
@@ -35,23 +36,37 @@ enum Command {
     /// KL and top-1 agreement (causal artifacts), or sentence-embedding cosine and
     /// retrieval agreement (BERT).
     Evaluate(eval_cmds::EvaluateArgs),
-    /// Record per-module activation statistics of a BERT folder over calibration text
-    /// (one example a line), with the estimated error of each candidate format.
+    /// Greedy generation from a pretrained decoder with its KV cache: prints the text,
+    /// and tokens a second counted over the tokens actually produced.
+    Generate(lm_cmds::GenerateArgs),
+    /// Record per-module activation statistics over calibration text, with the estimated
+    /// error of each candidate format: of a decoder (a Hugging Face folder, a llama GGUF
+    /// file or a decoder artifact) over windows of --text, or of a BERT folder over the
+    /// lines of --data.
     Profile {
-        /// A local model folder (config.json, model.safetensors, tokenizer.json).
+        /// A decoder (folder, GGUF, artifact) or a BERT folder.
         model_dir: PathBuf,
-        /// Calibration text, one example a line: a file, or a folder of .txt files.
+        /// Decoders: calibration text, one document, cut into windows of --context tokens.
         #[arg(long)]
-        data: PathBuf,
+        text: Option<PathBuf>,
+        /// BERT: calibration text, one example a line: a file, or a folder of .txt files.
+        #[arg(long)]
+        data: Option<PathBuf>,
         /// The profile JSON to write.
         #[arg(short, long)]
         output: PathBuf,
         /// Lines a batch.
         #[arg(long, default_value_t = 16)]
         batch: usize,
-        /// Tokens kept a line at most.
+        /// BERT: tokens kept a line at most.
         #[arg(long, default_value_t = 128)]
         max_len: usize,
+        /// Decoders: tokens a window (default the smaller of the context and 512).
+        #[arg(long)]
+        context: Option<usize>,
+        /// Decoders: calibrate on the first N windows only.
+        #[arg(long)]
+        max_windows: Option<usize>,
         /// |x| above this counts toward density.
         #[arg(long, default_value_t = 0.01)]
         density_threshold: f32,
@@ -216,21 +231,38 @@ fn run() -> Result<()> {
         Command::Evaluate(args) => eval_cmds::evaluate(&args),
         Command::Pack(args) => artifact_cmds::pack(&args),
         Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
+        Command::Generate(args) => lm_cmds::generate(&args),
         Command::Profile {
             model_dir,
+            text,
             data,
             output,
             batch,
             max_len,
+            context,
+            max_windows,
             density_threshold,
-        } => plan_cmds::profile(
-            &model_dir,
-            &data,
-            &output,
-            batch,
-            max_len,
-            density_threshold,
-        ),
+        } => match (text, data) {
+            (Some(text), None) => plan_cmds::profile_decoder(&lm_cmds::ProfileOptions {
+                model: &model_dir,
+                text: &text,
+                out: &output,
+                context,
+                max_windows,
+                density_threshold,
+            }),
+            (None, Some(data)) => plan_cmds::profile(
+                &model_dir,
+                &data,
+                &output,
+                batch,
+                max_len,
+                density_threshold,
+            ),
+            _ => bail!(
+                "give --text FILE (a decoder: one document) or --data FILE (BERT: one example a line)"
+            ),
+        },
         Command::Plan {
             profile,
             output,

@@ -11,6 +11,13 @@ use compressme::profile::{ActivationRecorder, Profile, ProfileSettings, default_
 use compressme::quant::Format;
 use indicatif::ProgressBar;
 
+/// Profiles a decoder over windows of a text, and prints the summary.
+pub(crate) fn profile_decoder(o: &crate::lm_cmds::ProfileOptions<'_>) -> Result<()> {
+    let t0 = Instant::now();
+    let profile = crate::lm_cmds::profile(o)?;
+    write_and_summarise(&profile, o.out, t0)
+}
+
 /// Profiles a BERT folder over the lines of `data`.
 pub(crate) fn profile(
     model_dir: &Path,
@@ -74,9 +81,14 @@ pub(crate) fn profile(
             r
         })?;
     pb.finish_and_clear();
+    write_and_summarise(&profile, out, t0)
+}
+
+/// Writes the profile and prints the modules of highest importance.
+fn write_and_summarise(profile: &Profile, out: &Path, t0: Instant) -> Result<()> {
     std::fs::write(out, profile.to_json()?)
         .with_context(|| format!("writing {}", out.display()))?;
-    let scores = magnitude_density(&profile);
+    let scores = magnitude_density(profile);
     let mut ranked: Vec<(&String, &f64)> = scores.iter().collect();
     ranked.sort_by(|a, b| b.1.total_cmp(a.1));
     println!(
@@ -120,10 +132,12 @@ pub(crate) fn plan(
     let profile = Profile::from_json(&text)?;
     let policy = Policy {
         protect_output_head: !no_protect_head,
-        output_heads: heads.map_or_else(
-            || Policy::default().output_heads,
-            |h| h.split(',').map(|s| s.trim().to_string()).collect(),
-        ),
+        // the heads the profile recorded (a tied embedding, `embed_out`), else `lm_head`
+        output_heads: match heads {
+            Some(h) => h.split(',').map(|s| s.trim().to_string()).collect(),
+            None if !profile.output_heads.is_empty() => profile.output_heads.clone(),
+            None => Policy::default().output_heads,
+        },
     };
     let candidates: Vec<Format> = match candidates {
         Some(c) => c
