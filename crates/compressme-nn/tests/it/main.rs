@@ -7,3 +7,4 @@ mod embedding;
 mod layers;
 mod model;
 mod real_checkpoint;
+mod real_decoder;
