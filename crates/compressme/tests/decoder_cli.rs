@@ -1,0 +1,243 @@
+//! Pretrained decoders through the built binary: profile, plan, pack, inspect, verify,
+//! evaluate and generate on the committed tiny decoders, and on the real SmolLM2 GGUF
+//! (fetched by `cargo xtask fixtures`; skipped with a printed reason when absent, required
+//! when `COMPRESSME_REQUIRE_FIXTURES` is set).
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{root, run};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cm-dec-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn tiny(name: &str) -> String {
+    root()
+        .join("fixtures/decoders")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// Text the tiny tokenizer knows most of.
+fn text(d: &std::path::Path) -> String {
+    let p = d.join("text.txt");
+    let s = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. "
+        .repeat(6);
+    std::fs::write(&p, s).unwrap();
+    p.display().to_string()
+}
+
+#[test]
+fn tiny_decoders_profile_plan_pack_evaluate_generate() {
+    for name in ["llama-tied", "neox", "gpt2"] {
+        let d = tmp(name);
+        let s = |p: &str| d.join(p).display().to_string();
+        let model = tiny(name);
+        let txt = text(&d);
+        let (ok, out, err) = run(&[
+            "profile",
+            &model,
+            "--text",
+            &txt,
+            "--context",
+            "32",
+            "-o",
+            &s("profile.json"),
+        ]);
+        assert!(ok, "{name} profile: {err}");
+        assert!(out.contains("modules"), "{out}");
+        let profile: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(s("profile.json")).unwrap()).unwrap();
+        let (ok, out, err) = run(&[
+            "plan",
+            &s("profile.json"),
+            "--budget-bpw",
+            "6",
+            "-o",
+            &s("plan.json"),
+        ]);
+        assert!(ok, "{name} plan: {err}");
+        assert!(out.contains("bits a weight"), "{out}");
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(s("plan.json")).unwrap()).unwrap();
+        // the output head, tied or not, is kept at INT8 or better
+        let heads: Vec<String> = match profile["output_heads"].as_array() {
+            Some(h) => h.iter().map(|v| v.as_str().unwrap().to_string()).collect(),
+            None => vec!["lm_head".into()],
+        };
+        for h in &heads {
+            let c = plan["modules"][h].as_str().unwrap();
+            assert!(
+                ["int8", "f16", "bf16", "dense"].contains(&c),
+                "{name}: head {h} is {c}"
+            );
+        }
+        let (ok, out, err) = run(&[
+            "pack",
+            &model,
+            "--plan",
+            &s("plan.json"),
+            "--profile",
+            &s("profile.json"),
+            "-o",
+            &s("mixed.cma"),
+        ]);
+        assert!(ok, "{name} pack: {err}");
+        assert!(out.contains("quantized"), "{out}");
+        let (ok, out, err) = run(&["verify", &s("mixed.cma")]);
+        assert!(ok && out.contains("ok"), "{err}");
+        // the artifact alone runs: no folder needed
+        let (ok, out, err) = run(&[
+            "evaluate",
+            &s("mixed.cma"),
+            "--text",
+            &txt,
+            "--reference",
+            &model,
+            "--context",
+            "32",
+            "--json",
+        ]);
+        assert!(ok, "{name} evaluate: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let e = &v["evaluation"];
+        assert_eq!(e["window"]["len"], 32);
+        assert_eq!(e["window"]["stride"], 16);
+        assert_eq!(
+            e["targets"].as_u64().unwrap() + 1,
+            v["tokens"].as_u64().unwrap(),
+            "every target but the first"
+        );
+        assert!(e["shift"]["kl_mean"].as_f64().unwrap() >= 0.0);
+        assert!(v["stored_bytes"].as_u64().unwrap() < v["dense_bytes"].as_u64().unwrap());
+        let (ok, out, err) = run(&[
+            "generate",
+            &s("mixed.cma"),
+            "--prompt",
+            "It is a truth",
+            "--max-new",
+            "5",
+            "--json",
+        ]);
+        assert!(ok, "{name} generate: {err}");
+        assert!(out.starts_with("It is a truth"), "{out}");
+        let meta: serde_json::Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+        assert!(meta["new_tokens"].as_u64().unwrap() <= 5);
+    }
+}
+
+#[test]
+fn an_evaluation_against_itself_is_exact_and_bad_settings_are_refused() {
+    let d = tmp("self");
+    let model = tiny("llama-gqa");
+    let txt = text(&d);
+    let (ok, out, err) = run(&[
+        "evaluate",
+        &model,
+        "--text",
+        &txt,
+        "--reference",
+        &model,
+        "--json",
+        "--context",
+        "16",
+        "--stride",
+        "5",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let e = &v["evaluation"];
+    assert_eq!(e["shift"]["kl_mean"], 0.0);
+    assert_eq!(e["shift"]["top1_agreement"], 1.0);
+    assert_eq!(e["perplexity"], e["reference_perplexity"]);
+    // windows past the context, a decoder without --text, a remote identifier
+    let (ok, _, err) = run(&["evaluate", &model, "--text", &txt, "--context", "65"]);
+    assert!(!ok && err.contains("context"), "{err}");
+    let (ok, _, err) = run(&["evaluate", &model, "--data", &txt]);
+    assert!(!ok && err.contains("--text"), "{err}");
+    let (ok, _, err) = run(&["generate", "HuggingFaceTB/SmolLM2-135M", "--prompt", "x"]);
+    assert!(!ok && err.contains("remote"), "{err}");
+}
+
+fn smollm2() -> Option<PathBuf> {
+    let p = root().join("cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var_os("COMPRESSME_REQUIRE_FIXTURES").is_none(),
+        "{} is missing; run `cargo xtask fixtures`",
+        p.display()
+    );
+    eprintln!(
+        "skipping: {} is absent (run `cargo xtask fixtures`)",
+        p.display()
+    );
+    None
+}
+
+#[test]
+fn real_decoder_smollm2_gguf_packs_to_int8_and_runs_from_the_artifact_alone() {
+    let Some(gguf) = smollm2() else { return };
+    let gguf = gguf.display().to_string();
+    let d = tmp("smollm2");
+    let art = d.join("int8.cma").display().to_string();
+    let (ok, out, err) = run(&["pack", &gguf, "--format", "int8", "-o", &art, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["summary"]["tensors"], 272);
+    let (ok, out, _) = run(&["inspect", &art, "--json"]);
+    assert!(ok);
+    let i: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let ratio = i["ratio"].as_f64().unwrap();
+    assert!(ratio < 0.26, "int8 of f32: {ratio}");
+    let txt = root().join("cache/austen/persuasion.txt");
+    let txt = txt.display().to_string();
+    let (ok, out, err) = run(&[
+        "evaluate",
+        &art,
+        "--text",
+        &txt,
+        "--reference",
+        &gguf,
+        "--max-tokens",
+        "160",
+        "--context",
+        "64",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let e = &v["evaluation"];
+    assert_eq!(e["targets"], 159);
+    let ratio = e["perplexity"].as_f64().unwrap() / e["reference_perplexity"].as_f64().unwrap();
+    assert!(
+        (0.95..1.05).contains(&ratio),
+        "INT8 perplexity ratio {ratio}"
+    );
+    assert!(e["shift"]["top1_agreement"].as_f64().unwrap() > 0.85, "{e}");
+    assert_eq!(
+        v["source"]["sha256"],
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    );
+    let (ok, out, err) = run(&[
+        "generate",
+        &art,
+        "--prompt",
+        "Sir Walter Elliot, of Kellynch Hall,",
+        "--max-new",
+        "8",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.len() > "Sir Walter Elliot, of Kellynch Hall,".len(),
+        "{out}"
+    );
+}
