@@ -7,6 +7,27 @@ use candle_core::{Device, Tensor};
 
 use crate::{Error, Result};
 
+/// Which of candle's quantized-matmul kernels this CPU gets: candle 0.11 picks one at
+/// run time (`avx512-vnni` and `avx-vnni` repack Q8_0/Q4_K/Q6_K into tiles and multiply
+/// with `vpdpbusd`; `avx2`; `portable` otherwise), and their arithmetic differs, so the
+/// likelihoods of a model run by candle's formats are reproducible only on the same tier.
+#[must_use]
+pub fn candle_kernel_tier() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni") {
+            return "avx512-vnni";
+        }
+        if is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2") {
+            return "avx-vnni";
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return "avx2";
+        }
+    }
+    "portable"
+}
+
 /// The llama.cpp formats compared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

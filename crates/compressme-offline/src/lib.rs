@@ -34,7 +34,7 @@ mod run;
 pub mod task;
 
 pub use chart::svg_chart;
-pub use replay::{Difference, Tolerance, compare};
+pub use replay::{Difference, Tolerance, compare, not_compared};
 pub use report::{
     Corpus, ModuleBytes, PairedRow, Report, Storage, Training, Variant, VariantTiming, markdown,
 };
@@ -194,6 +194,9 @@ pub fn replay(
     progress: &dyn Progress,
 ) -> Result<(Report, Vec<Difference>)> {
     let fresh = run(&recorded.config, work_dir, progress)?;
+    if let Some(note) = not_compared(recorded, &fresh) {
+        progress.done(&note);
+    }
     let diffs = compare(recorded, &fresh, tol);
     Ok((fresh, diffs))
 }

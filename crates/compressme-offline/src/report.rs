@@ -35,8 +35,17 @@ pub struct Report {
     pub tolerance: Tolerance,
     /// Threads the machine offered.
     pub threads: usize,
+    /// The tier of candle's quantized kernels on the machine that ran it
+    /// (`compressme_nn::candle_kernel_tier`): the candle variants' likelihoods reproduce
+    /// only on the same tier. `unrecorded` in reports written before it was recorded.
+    #[serde(default = "unrecorded")]
+    pub candle_kernels: String,
     /// Wall-clock seconds of the whole run.
     pub seconds: f64,
+}
+
+fn unrecorded() -> String {
+    "unrecorded".into()
 }
 
 /// The data, by hash.

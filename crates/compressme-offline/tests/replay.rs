@@ -84,6 +84,30 @@ fn the_committed_reference_report_replays_and_tampering_is_caught() {
     let mut close = recorded.clone();
     close.variant_mut("mixed").unwrap().nll[3] += 0.5 * tol.nll_abs;
     assert!(compare(&close, &fresh, tol).is_empty());
+    // on another tier of candle's kernels, the candle variants' likelihoods (and only
+    // theirs) are left out, said so, and their storage is still compared
+    let mut other_cpu = recorded.clone();
+    other_cpu.candle_kernels = "avx512-vnni-elsewhere".into();
+    assert!(compressme_offline::not_compared(&recorded, &fresh).is_none());
+    let note = compressme_offline::not_compared(&other_cpu, &fresh).unwrap();
+    assert!(note.contains("avx512-vnni-elsewhere"), "{note}");
+    other_cpu.variant_mut("candle-q8_0").unwrap().nll[2] += 1.0;
+    other_cpu.variant_mut("candle-q4_0").unwrap().shift.kl_mean += 1.0;
+    assert!(compare(&other_cpu, &fresh, tol).is_empty());
+    other_cpu.variant_mut("int8").unwrap().nll[2] += 1.0;
+    other_cpu
+        .variant_mut("candle-q4_0")
+        .unwrap()
+        .storage
+        .file_bytes += 1;
+    let fields: Vec<String> = compare(&other_cpu, &fresh, tol)
+        .into_iter()
+        .map(|d| d.field)
+        .collect();
+    assert_eq!(
+        fields,
+        ["variants.int8.nll[2]", "variants.candle-q4_0.storage"]
+    );
     // timing is not compared
     let mut slow = recorded.clone();
     slow.variants[0].timing.forward.median *= 2.0;

@@ -274,9 +274,9 @@ impl DecoderConfig {
         let hidden = f.usize(&["hidden_size"])?;
         let heads = f.usize(&["num_attention_heads"])?;
         let kv_heads = f.usize_opt(&["num_key_value_heads"])?.unwrap_or(heads);
-        let head_dim =
-            f.usize_opt(&["head_dim"])?
-                .unwrap_or(if heads == 0 { 0 } else { hidden / heads });
+        let head_dim = f
+            .usize_opt(&["head_dim"])?
+            .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let (rope_theta, partial) = rope(f, &["rope_theta"], &["partial_rotary_factor"])?;
         Ok(Self {
             family: Family::Llama,
@@ -304,7 +304,7 @@ impl DecoderConfig {
     fn neox(f: &Fields<'_>) -> Result<Self> {
         let hidden = f.usize(&["hidden_size"])?;
         let heads = f.usize(&["num_attention_heads"])?;
-        let head_dim = if heads == 0 { 0 } else { hidden / heads };
+        let head_dim = hidden.checked_div(heads).unwrap_or(0);
         let (rope_theta, partial) = rope(
             f,
             &["rotary_emb_base", "rope_theta"],
@@ -359,7 +359,7 @@ impl DecoderConfig {
             layers: f.usize(&["n_layer", "num_hidden_layers"])?,
             heads,
             kv_heads: heads,
-            head_dim: if heads == 0 { 0 } else { hidden / heads },
+            head_dim: hidden.checked_div(heads).unwrap_or(0),
             intermediate: f.usize_opt(&["n_inner"])?.unwrap_or(4 * hidden),
             context: f.usize(&["n_positions", "n_ctx", "max_position_embeddings"])?,
             norm_eps: f.f64_opt(&["layer_norm_epsilon"])?.unwrap_or(1e-5),

@@ -327,7 +327,7 @@ pub fn read_gguf<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<GgufMode
         .unwrap_or(heads);
     let head_dim = m
         .usize_opt(&m.arch_key("attention.key_length"))?
-        .unwrap_or(if heads == 0 { 0 } else { hidden / heads });
+        .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
     let rotary = m
         .usize_opt(&m.arch_key("rope.dimension_count"))?
         .unwrap_or(head_dim);

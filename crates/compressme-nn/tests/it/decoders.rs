@@ -378,39 +378,40 @@ fn edited(name: &str, tag: &str, edit: impl FnOnce(&Path)) -> PathBuf {
     dir
 }
 
+/// A checkpoint's f32 tensors by name: shape and values.
+type Tensors = std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 #[test]
 fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
-    let rewrite =
-        |dir: &Path,
-         f: &dyn Fn(&mut std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>)| {
-            let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-            let mut m = std::collections::BTreeMap::new();
-            for (n, v) in st.tensors() {
-                let vals: Vec<f32> = v
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect();
-                m.insert(n, (v.shape().to_vec(), vals));
-            }
-            f(&mut m);
-            let data: Vec<(String, Vec<u8>, Vec<usize>)> = m
-                .into_iter()
-                .map(|(n, (s, v))| (n, v.iter().flat_map(|x| x.to_le_bytes()).collect(), s))
+    let rewrite = |dir: &Path, f: &dyn Fn(&mut Tensors)| {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut m = std::collections::BTreeMap::new();
+        for (n, v) in st.tensors() {
+            let vals: Vec<f32> = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                 .collect();
-            let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
-                .iter()
-                .map(|(n, b, s)| {
-                    (
-                        n.clone(),
-                        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                            .unwrap(),
-                    )
-                })
-                .collect();
-            safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-        };
+            m.insert(n, (v.shape().to_vec(), vals));
+        }
+        f(&mut m);
+        let data: Vec<(String, Vec<u8>, Vec<usize>)> = m
+            .into_iter()
+            .map(|(n, (s, v))| (n, v.iter().flat_map(|x| x.to_le_bytes()).collect(), s))
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+            .iter()
+            .map(|(n, b, s)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    };
     let err = |dir: &Path| {
         LanguageModel::open(dir, &Device::Cpu)
             .unwrap_err()
