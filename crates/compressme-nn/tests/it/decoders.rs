@@ -502,3 +502,169 @@ fn an_artifact_without_a_decoder_config_is_refused_clearly() {
         "{e}"
     );
 }
+
+/// Writes the tiny GQA Llama as llama.cpp's converter would: GGUF names, `attn_q` and
+/// `attn_k` rows permuted for its rotary layout, hyperparameters and a byte-level BPE
+/// vocabulary in the metadata. `edit` may change the tensor list first.
+fn llama_gguf(path: &Path, edit: impl FnOnce(&mut Vec<(String, Tensor)>)) {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let bytes = std::fs::read(fixture("llama-gqa").join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = |name: &str| {
+        let v = st.tensor(name).unwrap();
+        Tensor::from_raw_buffer(v.data(), candle_core::DType::F32, v.shape(), &Device::Cpu).unwrap()
+    };
+    // llama.cpp: w.reshape(heads, 2, d, cols).swapaxes(1, 2)
+    let permute = |w: Tensor, heads: usize| {
+        let (rows, cols) = w.dims2().unwrap();
+        w.reshape((heads, 2, rows / heads / 2, cols))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((rows, cols))
+            .unwrap()
+    };
+    let mut tensors = vec![
+        (
+            "token_embd.weight".to_string(),
+            t("model.embed_tokens.weight"),
+        ),
+        ("output.weight".to_string(), t("lm_head.weight")),
+        ("output_norm.weight".to_string(), t("model.norm.weight")),
+    ];
+    for i in 0..2 {
+        let p = format!("model.layers.{i}");
+        for (g, h) in [
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ] {
+            tensors.push((format!("blk.{i}.{g}.weight"), t(&format!("{p}.{h}.weight"))));
+        }
+        tensors.push((
+            format!("blk.{i}.attn_q.weight"),
+            permute(t(&format!("{p}.self_attn.q_proj.weight")), 4),
+        ));
+        tensors.push((
+            format!("blk.{i}.attn_k.weight"),
+            permute(t(&format!("{p}.self_attn.k_proj.weight")), 2),
+        ));
+    }
+    edit(&mut tensors);
+    let tok: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("llama-gqa").join("tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let mut vocab: Vec<(String, u64)> = tok["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+        .collect();
+    vocab.sort_by_key(|(_, i)| *i);
+    let merges: Vec<gguf::Value> = tok["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            gguf::Value::String(match m {
+                Value::String(s) => s.clone(),
+                Value::Array(a) => format!("{} {}", a[0].as_str().unwrap(), a[1].as_str().unwrap()),
+                _ => unreachable!(),
+            })
+        })
+        .collect();
+    use candle_core::quantized::gguf_file as gguf;
+    let s = |v: &str| gguf::Value::String(v.into());
+    let u = gguf::Value::U32;
+    let meta: Vec<(&str, gguf::Value)> = vec![
+        ("general.architecture", s("llama")),
+        ("llama.block_count", u(2)),
+        ("llama.context_length", u(64)),
+        ("llama.embedding_length", u(64)),
+        ("llama.feed_forward_length", u(96)),
+        ("llama.attention.head_count", u(4)),
+        ("llama.attention.head_count_kv", u(2)),
+        ("llama.rope.freq_base", gguf::Value::F32(500.0)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            gguf::Value::F32(1e-5),
+        ),
+        ("tokenizer.ggml.model", s("gpt2")),
+        (
+            "tokenizer.ggml.tokens",
+            gguf::Value::Array(vocab.iter().map(|(t, _)| s(t)).collect()),
+        ),
+        ("tokenizer.ggml.merges", gguf::Value::Array(merges)),
+        ("tokenizer.ggml.eos_token_id", u(1)),
+    ];
+    let q: Vec<(String, QTensor)> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), QTensor::quantize(t, GgmlDType::F32).unwrap()))
+        .collect();
+    let metas: Vec<(&str, &gguf::Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let qs: Vec<(&str, &QTensor)> = q.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf::write(&mut f, &metas, &qs).unwrap();
+}
+
+#[test]
+fn a_llama_gguf_reads_as_transformers_reads_the_folder() {
+    let path = tmp("llama-gqa.gguf");
+    llama_gguf(&path, |_| {});
+    let lm = LanguageModel::open(&path, &Device::Cpu).unwrap();
+    assert_eq!(lm.source.kind, "gguf");
+    assert_eq!(
+        lm.source_types["model.layers.0.self_attn.q_proj.weight"],
+        "f32"
+    );
+    let folder = open("llama-gqa");
+    let c = lm.model.config();
+    assert_eq!(
+        (c.heads, c.kv_heads, c.rope_theta, c.tie_embeddings),
+        (4, 2, 500.0, false)
+    );
+    assert_eq!(lm.model.module_names(), folder.model.module_names());
+    // the rotary permutation undone: transformers' logits for the same weights
+    let g = golden("llama-gqa");
+    let err = max_abs_diff(
+        &lm.model.forward(&ids_tensor(&g)).unwrap(),
+        &golden_logits(&g),
+    )
+    .unwrap();
+    assert!(err < 1e-4, "GGUF against transformers: {err}");
+
+    // a tensor missing, a tensor the mapping does not know: named
+    let missing = tmp("missing.gguf");
+    llama_gguf(&missing, |t| t.retain(|(n, _)| n != "blk.1.ffn_up.weight"));
+    let e = LanguageModel::open(&missing, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
+    let extra = tmp("extra.gguf");
+    llama_gguf(&extra, |t| {
+        t.push((
+            "blk.0.attn_qkv.weight".into(),
+            Tensor::zeros((4, 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        ))
+    });
+    let e = LanguageModel::open(&extra, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("blk.0.attn_qkv.weight") && e.contains("no Hugging Face name"),
+        "{e}"
+    );
+    let not_gguf = tmp("garbage.gguf");
+    std::fs::write(&not_gguf, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let e = LanguageModel::open(&not_gguf, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("GGUF"), "{e}");
+}
