@@ -342,7 +342,7 @@ impl CausalLm {
     /// No or a bad configuration in the artifact, a missing or misshapen tensor, and any
     /// read or verification error.
     pub fn from_artifact(path: &Path, device: &Device) -> Result<Self> {
-        use compressme_artifact::{Artifact, Dtype, Limits};
+        use compressme_artifact::{Artifact, Limits};
         let mut a = Artifact::open(path, &Limits::default())?;
         let cfg: CausalConfig = a
             .recipe()
@@ -359,17 +359,8 @@ impl CausalLm {
                     Error::Shape(format!("{}: bad `{CONFIG_KEY}`: {e}", path.display()))
                 })
             })?;
-        let mut tensors = HashMap::new();
-        for t in a.recipe().tensors.clone() {
-            let dtype = Dtype::parse(&t.dtype)
-                .and_then(crate::load::candle_dtype)
-                .ok_or_else(|| Error::Shape(format!("`{}` has dtype {}", t.name, t.dtype)))?;
-            let (bytes, _) = a.read_tensor(&t.name)?;
-            tensors.insert(
-                t.name.clone(),
-                Tensor::from_raw_buffer(&bytes, dtype, &t.shape, device)?,
-            );
-        }
+        let tensors: HashMap<String, Tensor> =
+            crate::load::artifact_tensors(&mut a)?.into_iter().collect();
         let mut model = Self::from_tensors(cfg, &tensors, device)?;
         drop(tensors);
         crate::load::apply_artifact(&mut model, &mut a)?;

@@ -21,6 +21,27 @@ pub(crate) fn candle_dtype(d: Dtype) -> Option<DType> {
     })
 }
 
+/// Every tensor of an artifact, read and verified, as stored dtype and shape (quantized
+/// ones dequantized): what a model is first built from, before [`apply_artifact`] gives
+/// its modules the artifact's own storage.
+///
+/// # Errors
+/// A dtype candle does not have; the artifact's read and verification errors.
+pub(crate) fn artifact_tensors(a: &mut Artifact) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
+    for t in a.recipe().tensors.clone() {
+        let dtype = Dtype::parse(&t.dtype)
+            .and_then(candle_dtype)
+            .ok_or_else(|| Error::Shape(format!("`{}` has dtype {}", t.name, t.dtype)))?;
+        let (bytes, _) = a.read_tensor(&t.name)?;
+        out.push((
+            t.name.clone(),
+            Tensor::from_raw_buffer(&bytes, dtype, &t.shape, &Device::Cpu)?,
+        ));
+    }
+    Ok(out)
+}
+
 enum Staged {
     Linear(Weight),
     Embedding(Table),

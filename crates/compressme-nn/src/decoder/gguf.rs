@@ -143,25 +143,9 @@ impl Meta<'_> {
                 .map_err(|_| load_err(self.path, format!("GGUF metadata `{key}` is not a string"))),
         }
     }
-    fn strings(&self, key: &str) -> Result<Vec<String>> {
-        let Some(v) = self.get(key) else {
-            return Ok(Vec::new());
-        };
-        let arr = v
-            .to_vec()
-            .map_err(|_| load_err(self.path, format!("GGUF metadata `{key}` is not an array")))?;
-        arr.iter()
-            .map(|s| {
-                s.to_string().cloned().map_err(|_| {
-                    load_err(
-                        self.path,
-                        format!("GGUF metadata `{key}` holds a non-string"),
-                    )
-                })
-            })
-            .collect()
-    }
-    fn ints(&self, key: &str) -> Result<Vec<i64>> {
+    /// An array, each element converted by `f` (`what` names the element type in errors);
+    /// empty when the key is absent.
+    fn array<T>(&self, key: &str, what: &str, f: impl Fn(&Value) -> Option<T>) -> Result<Vec<T>> {
         let Some(v) = self.get(key) else {
             return Ok(Vec::new());
         };
@@ -170,18 +154,26 @@ impl Meta<'_> {
             .map_err(|_| load_err(self.path, format!("GGUF metadata `{key}` is not an array")))?;
         arr.iter()
             .map(|x| {
-                x.to_i32()
-                    .map(i64::from)
-                    .or_else(|_| x.to_u32().map(i64::from))
-                    .or_else(|_| x.to_i64())
-                    .map_err(|_| {
-                        load_err(
-                            self.path,
-                            format!("GGUF metadata `{key}` holds a non-integer"),
-                        )
-                    })
+                f(x).ok_or_else(|| {
+                    load_err(
+                        self.path,
+                        format!("GGUF metadata `{key}` holds a non-{what}"),
+                    )
+                })
             })
             .collect()
+    }
+    fn strings(&self, key: &str) -> Result<Vec<String>> {
+        self.array(key, "string", |x| x.to_string().ok().cloned())
+    }
+    fn ints(&self, key: &str) -> Result<Vec<i64>> {
+        self.array(key, "integer", |x| {
+            x.to_i32()
+                .map(i64::from)
+                .or_else(|_| x.to_u32().map(i64::from))
+                .or_else(|_| x.to_i64())
+                .ok()
+        })
     }
 }
 

@@ -218,7 +218,7 @@ impl LanguageModel {
     /// # Errors
     /// As [`LanguageModel::open`].
     pub fn from_artifact(path: &Path, device: &Device) -> Result<Self> {
-        use compressme_artifact::{Artifact, Dtype, Limits};
+        use compressme_artifact::{Artifact, Limits};
         let mut a = Artifact::open(path, &Limits::default())?;
         let meta = a.recipe().source_metadata.clone();
         let get = |key: &str| {
@@ -234,17 +234,8 @@ impl LanguageModel {
         let source: Source = serde_json::from_str(get(SOURCE_KEY)?)
             .map_err(|e| load_err(path, format!("bad `{SOURCE_KEY}`: {e}")))?;
         let tokenizer_json = get(TOKENIZER_KEY)?.clone();
-        let mut tensors = BTreeMap::new();
-        for t in a.recipe().tensors.clone() {
-            let dtype = Dtype::parse(&t.dtype)
-                .and_then(crate::load::candle_dtype)
-                .ok_or_else(|| Error::Shape(format!("`{}` has dtype {}", t.name, t.dtype)))?;
-            let (bytes, _) = a.read_tensor(&t.name)?;
-            tensors.insert(
-                t.name.clone(),
-                Tensor::from_raw_buffer(&bytes, dtype, &t.shape, &Device::Cpu)?,
-            );
-        }
+        let mut tensors: BTreeMap<String, Tensor> =
+            crate::load::artifact_tensors(&mut a)?.into_iter().collect();
         let mut model = Decoder::from_source(cfg, &mut tensors, Layout::Linear, device)
             .map_err(|e| load_err(path, e.to_string()))?;
         drop(tensors);

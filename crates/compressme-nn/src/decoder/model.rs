@@ -196,6 +196,35 @@ impl Names {
     fn head(&self) -> &'static str {
         self.head
     }
+    /// The names of a block's parts, after `{block}.`.
+    fn parts(&self) -> BlockParts {
+        match self.family {
+            Family::Llama => BlockParts {
+                ln1: "input_layernorm",
+                qkv: Qkv::Split("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                o: "self_attn.o_proj",
+                ln2: "post_attention_layernorm",
+                gate: Some("mlp.gate_proj"),
+                up_down: ("mlp.up_proj", "mlp.down_proj"),
+            },
+            Family::GptNeox => BlockParts {
+                ln1: "input_layernorm",
+                qkv: Qkv::Fused("attention.query_key_value"),
+                o: "attention.dense",
+                ln2: "post_attention_layernorm",
+                gate: None,
+                up_down: ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+            },
+            Family::Gpt2 => BlockParts {
+                ln1: "ln_1",
+                qkv: Qkv::Fused("attn.c_attn"),
+                o: "attn.c_proj",
+                ln2: "ln_2",
+                gate: None,
+                up_down: ("mlp.c_fc", "mlp.c_proj"),
+            },
+        }
+    }
     /// Buffers some checkpoints carry that the forward pass recomputes.
     fn is_buffer(&self, name: &str) -> bool {
         name.ends_with(".rotary_emb.inv_freq")
@@ -204,6 +233,24 @@ impl Names {
             || name.ends_with(".attention.bias")
             || name.ends_with(".attention.masked_bias")
     }
+}
+
+/// The query, key and value projections: three linears, or one (GPT-NeoX's per-head
+/// `[q | k | v]`, GPT-2's `[q; k; v]`).
+enum Qkv {
+    Split(&'static str, &'static str, &'static str),
+    Fused(&'static str),
+}
+
+/// A block's module names, after the block's prefix.
+struct BlockParts {
+    ln1: &'static str,
+    qkv: Qkv,
+    o: &'static str,
+    ln2: &'static str,
+    /// The gate of a gated MLP (SwiGLU).
+    gate: Option<&'static str>,
+    up_down: (&'static str, &'static str),
 }
 
 /// Where a decoder's tensors come from: a name to a tensor, every name checked off as it
@@ -374,120 +421,47 @@ impl Decoder {
         } else {
             None
         };
+        let parts = names.parts();
+        let (ab, mb) = (cfg.attention_bias, cfg.mlp_bias);
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let p = names.block(i);
-            let (ab, mb) = (cfg.attention_bias, cfg.mlp_bias);
-            let block = match cfg.family {
-                Family::Llama => Block {
-                    ln1_name: format!("{p}.input_layernorm"),
-                    ln1: t.norm(&format!("{p}.input_layernorm"), &cfg)?,
-                    attn: Attn::Split {
-                        q: t.linear(&format!("{p}.self_attn.q_proj"), (qw, h), ab, false, &hooks)?,
-                        k: t.linear(
-                            &format!("{p}.self_attn.k_proj"),
-                            (kvw, h),
-                            ab,
-                            false,
-                            &hooks,
-                        )?,
-                        v: t.linear(
-                            &format!("{p}.self_attn.v_proj"),
-                            (kvw, h),
-                            ab,
-                            false,
-                            &hooks,
-                        )?,
-                    },
-                    o: t.linear(&format!("{p}.self_attn.o_proj"), (h, qw), ab, false, &hooks)?,
-                    ln2_name: format!("{p}.post_attention_layernorm"),
-                    ln2: t.norm(&format!("{p}.post_attention_layernorm"), &cfg)?,
-                    mlp: Mlp::Gated {
-                        gate: t.linear(
-                            &format!("{p}.mlp.gate_proj"),
-                            (cfg.intermediate, h),
-                            mb,
-                            false,
-                            &hooks,
-                        )?,
-                        up: t.linear(
-                            &format!("{p}.mlp.up_proj"),
-                            (cfg.intermediate, h),
-                            mb,
-                            false,
-                            &hooks,
-                        )?,
-                        down: t.linear(
-                            &format!("{p}.mlp.down_proj"),
-                            (h, cfg.intermediate),
-                            mb,
-                            false,
-                            &hooks,
-                        )?,
-                    },
+            let lin = |t: &mut Taker<'_>, suffix: &str, shape, bias| {
+                t.linear(&format!("{p}.{suffix}"), shape, bias, conv, &hooks)
+            };
+            let (ln1_name, ln2_name) = (format!("{p}.{}", parts.ln1), format!("{p}.{}", parts.ln2));
+            let ln1 = t.norm(&ln1_name, &cfg)?;
+            let attn = match parts.qkv {
+                Qkv::Split(q, k, v) => Attn::Split {
+                    q: lin(&mut t, q, (qw, h), ab)?,
+                    k: lin(&mut t, k, (kvw, h), ab)?,
+                    v: lin(&mut t, v, (kvw, h), ab)?,
                 },
-                Family::GptNeox => Block {
-                    ln1_name: format!("{p}.input_layernorm"),
-                    ln1: t.norm(&format!("{p}.input_layernorm"), &cfg)?,
-                    attn: Attn::Fused(t.linear(
-                        &format!("{p}.attention.query_key_value"),
-                        (3 * h, h),
-                        ab,
-                        false,
-                        &hooks,
-                    )?),
-                    o: t.linear(&format!("{p}.attention.dense"), (h, h), ab, false, &hooks)?,
-                    ln2_name: format!("{p}.post_attention_layernorm"),
-                    ln2: t.norm(&format!("{p}.post_attention_layernorm"), &cfg)?,
-                    mlp: Mlp::Plain {
-                        up: t.linear(
-                            &format!("{p}.mlp.dense_h_to_4h"),
-                            (cfg.intermediate, h),
-                            mb,
-                            false,
-                            &hooks,
-                        )?,
-                        down: t.linear(
-                            &format!("{p}.mlp.dense_4h_to_h"),
-                            (h, cfg.intermediate),
-                            mb,
-                            false,
-                            &hooks,
-                        )?,
-                    },
+                Qkv::Fused(qkv) => Attn::Fused(lin(&mut t, qkv, (3 * qw, h), ab)?),
+            };
+            let o = lin(&mut t, parts.o, (h, qw), ab)?;
+            let ln2 = t.norm(&ln2_name, &cfg)?;
+            let (i_s, (up, down)) = (cfg.intermediate, parts.up_down);
+            let mlp = match parts.gate {
+                Some(gate) => Mlp::Gated {
+                    gate: lin(&mut t, gate, (i_s, h), mb)?,
+                    up: lin(&mut t, up, (i_s, h), mb)?,
+                    down: lin(&mut t, down, (h, i_s), mb)?,
                 },
-                Family::Gpt2 => Block {
-                    ln1_name: format!("{p}.ln_1"),
-                    ln1: t.norm(&format!("{p}.ln_1"), &cfg)?,
-                    attn: Attn::Fused(t.linear(
-                        &format!("{p}.attn.c_attn"),
-                        (3 * h, h),
-                        true,
-                        conv,
-                        &hooks,
-                    )?),
-                    o: t.linear(&format!("{p}.attn.c_proj"), (h, h), true, conv, &hooks)?,
-                    ln2_name: format!("{p}.ln_2"),
-                    ln2: t.norm(&format!("{p}.ln_2"), &cfg)?,
-                    mlp: Mlp::Plain {
-                        up: t.linear(
-                            &format!("{p}.mlp.c_fc"),
-                            (cfg.intermediate, h),
-                            true,
-                            conv,
-                            &hooks,
-                        )?,
-                        down: t.linear(
-                            &format!("{p}.mlp.c_proj"),
-                            (h, cfg.intermediate),
-                            true,
-                            conv,
-                            &hooks,
-                        )?,
-                    },
+                None => Mlp::Plain {
+                    up: lin(&mut t, up, (i_s, h), mb)?,
+                    down: lin(&mut t, down, (h, i_s), mb)?,
                 },
             };
-            blocks.push(block);
+            blocks.push(Block {
+                ln1,
+                ln1_name,
+                attn,
+                o,
+                ln2,
+                ln2_name,
+                mlp,
+            });
         }
         let norm_name = names.final_norm();
         let norm = t.norm(&norm_name, &cfg)?;

@@ -1,13 +1,13 @@
 //! `bench` (the offline benchmark and its replay) and `evaluate`: argument handling and
 //! display; the work is in `compressme-offline` and `compressme-eval`.
 
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+
+use crate::progress::Bars;
 use candle_core::Device;
-use compressme::offline::{self, Config, Progress, Report};
-use indicatif::{ProgressBar, ProgressStyle};
+use compressme::offline::{self, Config, Report};
 
 /// Options of `compressme bench`.
 #[derive(clap::Args)]
@@ -39,38 +39,8 @@ pub(crate) struct BenchArgs {
     replay: Option<PathBuf>,
 }
 
-/// Progress bars, one per stage.
-struct Bars {
-    bar: RefCell<Option<ProgressBar>>,
-}
-
-impl Progress for Bars {
-    fn stage(&self, name: &str, total: u64) {
-        let pb = ProgressBar::new(total);
-        if let Ok(style) = ProgressStyle::with_template("{msg:>16} {bar:30} {pos}/{len} {elapsed}")
-        {
-            pb.set_style(style);
-        }
-        pb.set_message(name.to_string());
-        *self.bar.borrow_mut() = Some(pb);
-    }
-    fn inc(&self, n: u64) {
-        if let Some(pb) = self.bar.borrow().as_ref() {
-            pb.inc(n);
-        }
-    }
-    fn done(&self, summary: &str) {
-        if let Some(pb) = self.bar.borrow_mut().take() {
-            pb.finish_and_clear();
-        }
-        eprintln!("{summary}");
-    }
-}
-
 pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
-    let bars = Bars {
-        bar: RefCell::new(None),
-    };
+    let bars = Bars::new();
     if let Some(recorded_path) = &a.replay {
         let text = std::fs::read_to_string(recorded_path)
             .with_context(|| format!("reading {}", recorded_path.display()))?;

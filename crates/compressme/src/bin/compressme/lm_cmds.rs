@@ -11,7 +11,8 @@ use candle_core::Device;
 use compressme::nn::decoder::{LanguageModel, is_decoder_folder, is_gguf};
 use compressme::nn::{Model, causal::CONFIG_KEY};
 use compressme::offline::Progress;
-use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::progress::Bars;
 
 /// Whether `path` names a decoder `compressme` runs: a decoder folder, a GGUF file, or
 /// an artifact packed from one (its recipe carries the decoder configuration).
@@ -32,38 +33,6 @@ pub(crate) fn is_decoder(path: &Path) -> bool {
 /// Opens a decoder, naming the path in the error.
 pub(crate) fn open(path: &Path) -> Result<LanguageModel> {
     LanguageModel::open(path, &Device::Cpu).with_context(|| format!("loading {}", path.display()))
-}
-
-/// A progress bar for one stage at a time.
-pub(crate) struct Bar(std::cell::RefCell<Option<ProgressBar>>);
-
-impl Bar {
-    pub(crate) fn new() -> Self {
-        Self(std::cell::RefCell::new(None))
-    }
-}
-
-impl Progress for Bar {
-    fn stage(&self, name: &str, total: u64) {
-        let pb = ProgressBar::new(total);
-        if let Ok(style) =
-            ProgressStyle::with_template("{msg:>12} {bar:30} {pos}/{len} {elapsed} (eta {eta})")
-        {
-            pb.set_style(style);
-        }
-        pb.set_message(name.to_string());
-        *self.0.borrow_mut() = Some(pb);
-    }
-    fn inc(&self, n: u64) {
-        if let Some(pb) = self.0.borrow().as_ref() {
-            pb.inc(n);
-        }
-    }
-    fn done(&self, _: &str) {
-        if let Some(pb) = self.0.borrow_mut().take() {
-            pb.finish_and_clear();
-        }
-    }
 }
 
 fn read_text(path: &Path) -> Result<String> {
@@ -123,7 +92,7 @@ pub(crate) fn evaluate(o: &EvalOptions<'_>) -> Result<()> {
         len,
         stride: o.stride.unwrap_or(len / 2).max(1),
     };
-    let bar = Bar::new();
+    let bar = Bars::new();
     let e = compressme::offline::evaluate_decoder(
         &lm.model,
         reference.as_ref().map(|r| &r.model),
@@ -270,7 +239,7 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
         density_threshold: o.density_threshold,
         ..ProfileSettings::default()
     };
-    let bar = Bar::new();
+    let bar = Bars::new();
     bar.stage("windows", windows.len() as u64);
     let profile = ActivationRecorder::new(settings)
         .with_calibration_sha256(compressme::artifact::recipe::sha256_hex(text.as_bytes()))
@@ -279,6 +248,9 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
             bar.inc(1);
             r
         })?;
-    bar.done("");
+    bar.done(&format!(
+        "profiled {} windows of {len} tokens",
+        windows.len()
+    ));
     Ok(profile)
 }

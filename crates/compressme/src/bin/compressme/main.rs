@@ -4,6 +4,7 @@ mod artifact_cmds;
 mod eval_cmds;
 mod lm_cmds;
 mod plan_cmds;
+mod progress;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
