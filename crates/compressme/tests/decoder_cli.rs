@@ -241,3 +241,72 @@ fn real_decoder_smollm2_gguf_packs_to_int8_and_runs_from_the_artifact_alone() {
         "{out}"
     );
 }
+
+/// A bf16 checkpoint packs as bf16 (the model holds f32, an exact widening), and the
+/// lossless artifact evaluates exactly as the folder does.
+#[test]
+fn a_bf16_decoder_folder_packs_losslessly_as_bf16() {
+    let d = tmp("bf16");
+    let folder = d.join("model");
+    std::fs::create_dir_all(&folder).unwrap();
+    let src = root().join("fixtures/decoders/llama-tied");
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), folder.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let bf16 = |x: f32| {
+        let b = x.to_bits();
+        ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+    };
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let b: Vec<u8> = v
+                .data()
+                .chunks_exact(4)
+                .flat_map(|c| bf16(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes())
+                .collect();
+            (n, b, v.shape().to_vec())
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, b, s)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)
+                .unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &folder.join("model.safetensors")).unwrap();
+    let folder = folder.display().to_string();
+    let art = d.join("a.cma").display().to_string();
+    let (ok, _, err) = run(&["pack", &folder, "--lossless", "-o", &art]);
+    assert!(ok, "{err}");
+    let (ok, out, _) = run(&["inspect", &art, "--json"]);
+    assert!(ok);
+    let i: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for t in i["tensors"].as_array().unwrap() {
+        assert_eq!(t["dtype"], "BF16", "{t}");
+    }
+    let txt = text(&d);
+    let (ok, out, err) = run(&[
+        "evaluate",
+        &art,
+        "--text",
+        &txt,
+        "--reference",
+        &folder,
+        "--context",
+        "32",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["evaluation"]["shift"]["kl_mean"], 0.0);
+    assert_eq!(
+        v["evaluation"]["perplexity"],
+        v["evaluation"]["reference_perplexity"]
+    );
+}

@@ -124,15 +124,30 @@ type ModelInput = (
 fn model_input(path: &Path) -> Result<ModelInput> {
     use compressme::nn::Model;
     let lm = crate::lm_cmds::open(path)?;
+    // a folder's tensors keep their checkpoint dtype (the model holds them as f32, an
+    // exact widening of bf16 and f16): a bf16 checkpoint packs as bf16
+    let source_dtypes: BTreeMap<String, Dtype> = if path.is_dir() {
+        Checkpoint::open(path, &Limits::default())?
+            .entries()
+            .filter(|e| e.dtype.is_float())
+            .map(|e| (e.name.clone(), e.dtype))
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
     let mut tensors = BTreeMap::new();
     for (name, t) in lm.model.tensors()? {
         let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let dtype = match source_dtypes.get(&name) {
+            Some(d @ (Dtype::Bf16 | Dtype::F16)) => *d,
+            _ => Dtype::F32,
+        };
         tensors.insert(
             name,
             (
-                Dtype::F32,
+                dtype,
                 t.dims().to_vec(),
-                compressme::artifact::from_f32(Dtype::F32, &values),
+                compressme::artifact::from_f32(dtype, &values),
             ),
         );
     }
