@@ -271,6 +271,22 @@ fn tokenizer_json(m: &Meta<'_>) -> Result<String> {
     serde_json::to_string(&tok).map_err(|e| load_err(m.path, e.to_string()))
 }
 
+/// Runs a candle call that panics on some malformed files (a zero `general.alignment`
+/// divides by zero; dimensions whose product overflows), turning a panic into an error.
+fn guarded<T>(path: &Path, f: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let what = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        load_err(
+            path,
+            format!("malformed GGUF file (candle's reader failed: {what})"),
+        )
+    })
+}
+
 /// Reads a llama GGUF from `reader` (`path` names it in errors).
 ///
 /// # Errors
@@ -279,7 +295,7 @@ fn tokenizer_json(m: &Meta<'_>) -> Result<String> {
 /// a tokenizer other than byte-level BPE, missing metadata, and a tensor the mapping does
 /// not know (named); candle's errors dequantizing.
 pub fn read_gguf<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<GgufModel> {
-    let content = Content::read(reader)
+    let content = guarded(path, || Content::read(reader))?
         .map_err(|e| load_err(path, format!("not a readable GGUF file: {e}")))?;
     let arch = match content.metadata.get("general.architecture") {
         Some(Value::String(s)) => s.clone(),
@@ -395,9 +411,13 @@ pub fn read_gguf<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<GgufMode
         let Some((hf, permute)) = hf_name(name, heads, kv_heads) else {
             continue;
         };
-        let q = content.tensor(reader, name, &Device::Cpu)?;
+        let (q, mut t) = guarded(path, || {
+            let q = content.tensor(reader, name, &Device::Cpu)?;
+            let t = q.dequantize(&Device::Cpu)?;
+            Ok::<_, candle_core::Error>((q, t))
+        })?
+        .map_err(|e| load_err(path, format!("GGUF tensor `{name}`: {e}")))?;
         file_types.insert(hf.clone(), format!("{:?}", q.dtype()).to_lowercase());
-        let mut t = q.dequantize(&Device::Cpu)?;
         if let Some(h) = permute {
             t = unpermute(&t, h)?;
         }
@@ -414,6 +434,36 @@ pub fn read_gguf<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<GgufMode
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn malformed_files_are_errors_not_panics() {
+        use candle_core::quantized::gguf_file;
+        let write = |meta: &[(&str, &Value)]| {
+            let mut buf = std::io::Cursor::new(Vec::new());
+            gguf_file::write(&mut buf, meta, &[]).unwrap();
+            buf.into_inner()
+        };
+        let p = Path::new("x.gguf");
+        // a zero alignment makes candle's reader divide by zero
+        let bytes = write(&[("general.alignment", &Value::U32(0))]);
+        let e = read_gguf(&mut std::io::Cursor::new(bytes), p).unwrap_err();
+        assert!(e.to_string().contains("malformed GGUF"), "{e}");
+        // another architecture, and no architecture, are refused by name
+        let arch = Value::String("mamba".into());
+        let bytes = write(&[("general.architecture", &arch)]);
+        let e = read_gguf(&mut std::io::Cursor::new(bytes), p).unwrap_err();
+        assert!(e.to_string().contains("`mamba` is not supported"), "{e}");
+        let e = read_gguf(&mut std::io::Cursor::new(write(&[])), p).unwrap_err();
+        assert!(e.to_string().contains("general.architecture"), "{e}");
+        // truncated and empty files
+        for bytes in [
+            b"GGUF".to_vec(),
+            Vec::new(),
+            b"GGUF\x03\x00\x00\x00\xff\xff".to_vec(),
+        ] {
+            assert!(read_gguf(&mut std::io::Cursor::new(bytes), p).is_err());
+        }
+    }
 
     #[test]
     fn unpermute_inverts_llama_cpp_permutation() {
