@@ -69,15 +69,12 @@ fn set_storage_is_all_or_nothing() {
         vec![
             (q.clone(), Storage::Quant(Format::Int8)),
             (
-                q.clone().replace("query", "key"),
+                "embeddings.word_embeddings".into(),
                 Storage::Lossless(PackOptions::default()),
             ),
-        ],
-        vec![
-            (q.clone(), Storage::Quant(Format::Int8)),
             (
-                "embeddings.word_embeddings".into(),
-                Storage::Quant(Format::Nf4),
+                q.clone().replace("query", "key"),
+                Storage::Quant(Format::Int8Rows),
             ),
         ],
         vec![(q.clone(), Storage::Quant(Format::Int8Rows))],
