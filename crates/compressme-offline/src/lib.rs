@@ -31,6 +31,7 @@ mod chart;
 mod replay;
 mod report;
 mod run;
+mod stages;
 pub mod task;
 
 pub use chart::svg_chart;

@@ -1,0 +1,393 @@
+//! The stages both benchmarks share: what a variant is, storing it (an artifact, or a
+//! GGUF file of candle's formats), reloading it, accounting its bytes, timing variants in
+//! interleaved rounds, and the paired comparisons.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+use candle_core::{Device, Tensor};
+use compressme_artifact::{Dtype, Writer, from_f32, recipe::sha256_hex};
+use compressme_blockstore::Coder;
+use compressme_eval::{Timing, paired};
+use compressme_nn::{CausalLm, Decoder, LlamaFormat, Model, ModuleMut};
+use compressme_plan::{Choice, Plan};
+use compressme_profile::Profile;
+
+use crate::report::{ModuleBytes, PairedRow, Storage, Variant};
+use crate::{Error, Progress, Result};
+
+/// A model the benchmarks can score, run and time: the synthetic causal model or a
+/// pretrained decoder.
+pub(crate) trait Lm: Model {
+    /// Next-token logits, a row per position of one sequence.
+    fn logits(&self, ids: &[u32]) -> compressme_nn::Result<Vec<Vec<f32>>>;
+    /// One forward pass over a batch `[b, t]`.
+    fn forward_batch(&self, ids: &Tensor) -> compressme_nn::Result<Tensor>;
+    /// Greedy generation; how many tokens were produced.
+    fn generate_tokens(&self, prompt: &[u32], max_new: usize) -> compressme_nn::Result<usize>;
+}
+
+impl Lm for CausalLm {
+    fn logits(&self, ids: &[u32]) -> compressme_nn::Result<Vec<Vec<f32>>> {
+        self.logit_rows(ids)
+    }
+    fn forward_batch(&self, ids: &Tensor) -> compressme_nn::Result<Tensor> {
+        self.forward(ids)
+    }
+    fn generate_tokens(&self, prompt: &[u32], max_new: usize) -> compressme_nn::Result<usize> {
+        Ok(self.generate(prompt, max_new, None)?.len())
+    }
+}
+
+impl Lm for Decoder {
+    fn logits(&self, ids: &[u32]) -> compressme_nn::Result<Vec<Vec<f32>>> {
+        self.logit_rows(ids)
+    }
+    fn forward_batch(&self, ids: &Tensor) -> compressme_nn::Result<Tensor> {
+        self.forward(ids)
+    }
+    fn generate_tokens(&self, prompt: &[u32], max_new: usize) -> compressme_nn::Result<usize> {
+        // no stop token: every variant produces the same number of tokens
+        Ok(self.generate(prompt, max_new, &[])?.len())
+    }
+}
+
+/// How a variant is stored.
+#[derive(Debug, Clone)]
+pub(crate) enum Spec {
+    /// Ours: per module (by name) a plan choice; modules not named stay dense f32.
+    /// `weighted`: blockwise 4-bit formats choose each group's scale against the
+    /// profile's activation statistics (absmax otherwise).
+    Ours {
+        choices: BTreeMap<String, Choice>,
+        plan: Option<Plan>,
+        weighted: bool,
+    },
+    /// candle's GGUF types for every linear, the rest f32, in a GGUF file.
+    Candle(LlamaFormat),
+}
+
+/// One variant to store, reload and evaluate.
+pub(crate) struct Planned {
+    pub(crate) name: String,
+    pub(crate) description: String,
+    pub(crate) control: bool,
+    pub(crate) spec: Spec,
+}
+
+impl Planned {
+    /// Ours, from a plan's choices.
+    pub(crate) fn ours(
+        name: &str,
+        description: String,
+        control: bool,
+        choices: BTreeMap<String, Choice>,
+        plan: Option<Plan>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            description,
+            control,
+            spec: Spec::Ours {
+                choices,
+                plan,
+                weighted: true,
+            },
+        }
+    }
+}
+
+/// The plans the variants were packed from, by variant name.
+pub(crate) fn plans_of(planned: &[Planned]) -> BTreeMap<String, Plan> {
+    planned
+        .iter()
+        .filter_map(|p| match &p.spec {
+            Spec::Ours {
+                plan: Some(plan), ..
+            } => Some((p.name.clone(), plan.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+pub(crate) fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(from_f32(Dtype::F32, &t.flatten_all()?.to_vec1::<f32>()?))
+}
+
+pub(crate) fn file_sha256(path: &Path) -> Result<String> {
+    Ok(sha256_hex(&std::fs::read(path).map_err(io(path))?))
+}
+
+/// Writes an artifact of every tensor: modules named in `choices` as chosen (4-bit blocks
+/// with activation-weighted rounding from `profile` when `weighted`), everything else
+/// dense; `metadata` lets the artifact run alone.
+#[allow(clippy::too_many_arguments)] // one call site per benchmark, every argument distinct
+pub(crate) fn write_ours(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    tensors: &[(String, Tensor)],
+    choices: &BTreeMap<String, Choice>,
+    profile: &Profile,
+    plan: Option<&Plan>,
+    block_rows: usize,
+    weighted: bool,
+) -> Result<compressme_artifact::Summary> {
+    let mut w = Writer::create(path)?;
+    w.recipe_mut().source_metadata = metadata.clone();
+    w.recipe_mut().calibration_sha256 = Some(profile.calibration_sha256.clone());
+    if let Some(plan) = plan {
+        w.recipe_mut().plan_sha256 = Some(sha256_hex(plan.to_json()?.as_bytes()));
+        w.recipe_mut().output_head_policy = Some(plan.policy.describe());
+    }
+    for (name, t) in tensors {
+        let bytes = f32_bytes(t)?;
+        let shape = t.dims().to_vec();
+        let module = name.strip_suffix(".weight");
+        match module.and_then(|m| choices.get(m).map(|c| (m, c))) {
+            Some((m, Choice::Format(f))) => {
+                let importance: Vec<f32> = profile
+                    .modules
+                    .get(m)
+                    .filter(|_| weighted)
+                    .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
+                    .unwrap_or_default();
+                w.add_quantized_weighted(name, Dtype::F32, &shape, &bytes, *f, &importance)?;
+            }
+            Some((_, Choice::Lossless)) => {
+                w.add_lossless(
+                    name,
+                    Dtype::F32,
+                    &shape,
+                    &bytes,
+                    block_rows,
+                    Coder::default(),
+                )?;
+            }
+            _ => {
+                w.add_dense(name, Dtype::F32, &shape, &bytes)?;
+            }
+        }
+    }
+    Ok(w.finish()?)
+}
+
+/// Writes a GGUF file (candle's writer): every linear in `linears` in `format`, the rest
+/// f32, under the model's own tensor names, with `metadata` as strings.
+pub(crate) fn write_gguf(
+    path: &Path,
+    metadata: &[(&str, String)],
+    tensors: &[(String, Tensor)],
+    linears: &[String],
+    format: LlamaFormat,
+) -> Result<()> {
+    let mut q = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let is_linear = name
+            .strip_suffix(".weight")
+            .is_some_and(|m| linears.iter().any(|l| l == m));
+        let qt = match (is_linear, t.dims2()) {
+            (true, Ok((rows, cols))) => {
+                let w = t.flatten_all()?.to_vec1::<f32>()?;
+                compressme_nn::llama_qtensor(&w, rows, cols, format)?
+            }
+            _ => QTensor::quantize(t, GgmlDType::F32)?,
+        };
+        q.push((name.as_str(), qt));
+    }
+    let values: Vec<(&str, gguf_file::Value)> = metadata
+        .iter()
+        .map(|(k, v)| (*k, gguf_file::Value::String(v.clone())))
+        .collect();
+    let meta: Vec<(&str, &gguf_file::Value)> = values.iter().map(|(k, v)| (*k, v)).collect();
+    let refs: Vec<(&str, &QTensor)> = q.iter().map(|(n, t)| (*n, t)).collect();
+    let tmp = path.with_extension("gguf.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    gguf_file::write(&mut f, &meta, &refs)?;
+    f.sync_all().map_err(io(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    Ok(())
+}
+
+/// Reads a GGUF file [`write_gguf`] wrote: `build` makes the model from its string
+/// metadata and its tensors dequantized, then every linear in `linears` takes candle's
+/// quantized tensor (checked to be `format`), run by candle's quantized kernels.
+pub(crate) fn read_gguf<M: Model>(
+    path: &Path,
+    linears: &[String],
+    format: LlamaFormat,
+    build: impl FnOnce(&BTreeMap<String, String>, HashMap<String, Tensor>) -> Result<M>,
+) -> Result<M> {
+    let dev = Device::Cpu;
+    let mut f = std::fs::File::open(path).map_err(io(path))?;
+    let content = gguf_file::Content::read(&mut f)?;
+    let metadata: BTreeMap<String, String> = content
+        .metadata
+        .iter()
+        .filter_map(|(k, v)| match v {
+            gguf_file::Value::String(s) => Some((k.clone(), s.clone())),
+            _ => None,
+        })
+        .collect();
+    let mut tensors = HashMap::new();
+    let mut packed = Vec::new();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        let qt = content.tensor(&mut f, name, &dev)?;
+        tensors.insert(name.clone(), qt.dequantize(&dev)?);
+        if let Some(m) = name.strip_suffix(".weight")
+            && linears.iter().any(|l| l == m)
+        {
+            packed.push((m.to_string(), qt));
+        }
+    }
+    // build with dense weights, then give every linear candle's quantized tensor
+    let mut model = build(&metadata, tensors)?;
+    for (m, qt) in packed {
+        if qt.dtype() != format.ggml() {
+            return Err(Error::Json(format!(
+                "{}: `{m}.weight` is {:?}, expected {:?}",
+                path.display(),
+                qt.dtype(),
+                format.ggml()
+            )));
+        }
+        match model.module_mut(&m) {
+            Some(ModuleMut::Linear(l)) => {
+                l.set_weight(compressme_nn::Weight::Ggml(std::sync::Arc::new(qt)))?;
+            }
+            _ => return Err(Error::Json(format!("`{m}` is not a linear"))),
+        }
+    }
+    Ok(model)
+}
+
+/// Every module's bytes as the model holds them.
+pub(crate) fn module_bytes(m: &impl Model) -> Vec<ModuleBytes> {
+    m.modules()
+        .into_iter()
+        .map(|i| ModuleBytes {
+            name: i.name,
+            storage: i.storage,
+            dense_bytes: i.dense_bytes,
+            stored_bytes: i.stored_bytes,
+        })
+        .collect()
+}
+
+/// A reloaded variant's bytes: its file, and its modules as loaded.
+pub(crate) fn storage(file: &Path, file_bytes: u64, m: &impl Model) -> Result<Storage> {
+    let modules = module_bytes(m);
+    let module_dense_bytes = modules.iter().map(|m| m.dense_bytes).sum();
+    let module_stored_bytes = modules.iter().map(|m| m.stored_bytes).sum();
+    Ok(Storage {
+        file: file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        file_bytes,
+        file_sha256: file_sha256(file)?,
+        modules,
+        other_bytes: m.other_bytes(),
+        module_dense_bytes,
+        module_stored_bytes,
+    })
+}
+
+/// Greedy generation from every prompt; the tokens actually produced.
+pub(crate) fn generate_all(m: &impl Lm, prompts: &[Vec<u32>], max_new: usize) -> Result<u64> {
+    let mut produced = 0u64;
+    for p in prompts {
+        produced += m.generate_tokens(p, max_new)? as u64;
+    }
+    Ok(produced)
+}
+
+/// Forward and generation timing of every model, in rounds that time every model once,
+/// so a slow moment on a shared machine falls on all of them. Returns, per model, the
+/// forward and generation timings.
+pub(crate) fn time_interleaved<M: Lm>(
+    models: &[M],
+    forward_ids: &Tensor,
+    prompts: &[Vec<u32>],
+    max_new: usize,
+    warmup: usize,
+    reps: usize,
+    progress: &dyn Progress,
+) -> Result<Vec<(Timing, Timing)>> {
+    let n = models.len();
+    progress.stage("timing", ((warmup + reps) * n * 2) as u64);
+    let n_fwd = forward_ids.elem_count() as u64;
+    let (mut fwd, mut gen_s, mut gen_u) = (
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+        vec![Vec::new(); n],
+    );
+    for round in 0..warmup + reps {
+        for (i, m) in models.iter().enumerate() {
+            let t = Instant::now();
+            m.forward_batch(forward_ids)?;
+            let s_fwd = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let produced = generate_all(m, prompts, max_new)?;
+            let s_gen = t.elapsed().as_secs_f64();
+            if round >= warmup {
+                fwd[i].push(s_fwd);
+                gen_s[i].push(s_gen);
+                gen_u[i].push(produced);
+            }
+            progress.inc(2);
+        }
+    }
+    progress.done(&format!(
+        "timed {n} variants, {reps} interleaved rounds after {warmup} warm-up rounds"
+    ));
+    Ok(fwd
+        .into_iter()
+        .zip(gen_s)
+        .zip(gen_u)
+        .map(|((f, s), u)| {
+            let units = vec![n_fwd; f.len()];
+            (
+                Timing::from_samples(warmup, f, units),
+                Timing::from_samples(warmup, s, u),
+            )
+        })
+        .collect())
+}
+
+/// The paired comparisons asked for, `(a, b, question)`, over the variants both name
+/// (questions naming a missing variant are left out).
+pub(crate) fn paired_rows(
+    variants: &[Variant],
+    questions: Vec<(String, String, String)>,
+    resamples: usize,
+    seed: u64,
+) -> Result<Vec<PairedRow>> {
+    let mut rows = Vec::new();
+    for (a, b, question) in questions {
+        let (Some(va), Some(vb)) = (
+            variants.iter().find(|v| v.name == a),
+            variants.iter().find(|v| v.name == b),
+        ) else {
+            continue;
+        };
+        rows.push(PairedRow {
+            paired: paired(&va.nll, &vb.nll, resamples, seed)?,
+            a,
+            b,
+            question,
+        });
+    }
+    Ok(rows)
+}
