@@ -324,6 +324,65 @@ pub fn score_pair(
     })
 }
 
+/// Scores `variant` on the windows `reference` was scored on (by [`score_documents`]
+/// with its distributions kept), and computes [`shift`] target by target against the
+/// kept distributions, without keeping the variant's: a reference scored once serves
+/// every variant.
+///
+/// # Errors
+/// As [`score_documents`]; a reference scored without distributions or on other
+/// targets.
+pub fn score_against(
+    docs: &[Vec<u32>],
+    window: Window,
+    reference: &Scored,
+    mut variant: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+) -> Result<(Scored, Shift)> {
+    if reference.distributions.len() != reference.tokens.len() {
+        return Err(Error::Invalid(
+            "the reference was scored without its distributions".into(),
+        ));
+    }
+    let mut tokens = Vec::with_capacity(reference.tokens.len());
+    let mut acc = ShiftAcc::default();
+    for_each_target(
+        docs,
+        window,
+        |ids| variant(ids).map(|rows| (rows, ())),
+        |t, lq, _, ()| {
+            let k = tokens.len();
+            let (Some(r), Some(p)) = (reference.tokens.get(k), reference.distributions.get(k))
+            else {
+                return Err(Error::Invalid("more targets than the reference has".into()));
+            };
+            if (r.doc, r.position, r.target) != (t.doc, t.position, t.target) || p.len() != lq.len()
+            {
+                return Err(Error::Invalid(format!(
+                    "target {k} (document {}, position {}) is not the reference's",
+                    t.doc, t.position
+                )));
+            }
+            acc.add(p, lq, t.target as usize);
+            tokens.push(t);
+            Ok(())
+        },
+    )?;
+    if tokens.len() != reference.tokens.len() {
+        return Err(Error::Invalid(format!(
+            "{} targets scored, the reference has {}",
+            tokens.len(),
+            reference.tokens.len()
+        )));
+    }
+    Ok((
+        Scored {
+            tokens,
+            distributions: Vec::new(),
+        },
+        acc.finish(),
+    ))
+}
+
 /// Running sums of [`Shift`], one target at a time.
 #[derive(Default)]
 struct ShiftAcc {

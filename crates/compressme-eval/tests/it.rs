@@ -224,6 +224,26 @@ fn a_quantized_causal_model_shifts_its_distributions() {
     assert_eq!(s.targets, 6 * 39);
     assert!(s.kl_mean > 0.0 && s.kl_p99 >= s.kl_mean);
     assert!(s.top1_agreement > 0.5);
+    // the streaming forms agree with keeping every distribution
+    let (against, s2) = compressme_eval::score_against(&docs, w, &reference, logits(&q)).unwrap();
+    assert_eq!(against.nll(), quant.nll());
+    assert!(
+        (s2.kl_mean - s.kl_mean).abs() < 1e-9 && s2.top1_agreement == s.top1_agreement,
+        "{s2:?}"
+    );
+    let pair = compressme_eval::score_pair(&docs, w, logits(&model), logits(&q)).unwrap();
+    assert_eq!(pair.variant.nll(), quant.nll());
+    assert_eq!(pair.reference.nll(), reference.nll());
+    assert!(
+        (pair.shift.kl_mean - s.kl_mean).abs() < 1e-6,
+        "{:?}",
+        pair.shift
+    );
+    assert_eq!(pair.shift.top1_agreement, s.top1_agreement);
+    // a reference without its distributions, or of other documents, is refused
+    let bare = score_documents(&docs, w, false, logits(&model)).unwrap();
+    assert!(compressme_eval::score_against(&docs, w, &bare, logits(&q)).is_err());
+    assert!(compressme_eval::score_against(&docs[1..], w, &reference, logits(&q)).is_err());
     let p = paired(&reference.nll(), &quant.nll(), 500, 42).unwrap();
     assert_eq!(p.targets, 234);
     assert!(p.ci_low <= p.mean_diff && p.mean_diff <= p.ci_high, "{p:?}");
