@@ -204,7 +204,7 @@ impl Linear {
                     &Device::Cpu,
                 )?
             }
-            Weight::Ggml(q) => q.dequantize(&Device::Cpu)?.embedding(&idx)?,
+            Weight::Ggml(q) => q.embedding(&idx)?,
             Weight::Lossless(e) => e.lookup(&idx)?.to_dtype(DType::F32)?,
         };
         Ok(rows.reshape(shape)?)

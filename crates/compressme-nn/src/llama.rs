@@ -40,11 +40,14 @@ pub enum LlamaFormat {
     Q4K,
     /// 6-bit K-quant, super-blocks of 256: 6.5625 bits a weight.
     Q6K,
+    /// 5-bit, one f16 scale per 32 weights: 5.5 bits a weight (llama.cpp's fallback for
+    /// Q4_K on rows that are not a multiple of 256).
+    Q5_0,
 }
 
 impl LlamaFormat {
     /// Every format compared.
-    pub const ALL: [Self; 4] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K];
+    pub const ALL: [Self; 5] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K, Self::Q5_0];
 
     /// candle's type for the format.
     #[must_use]
@@ -54,6 +57,31 @@ impl LlamaFormat {
             Self::Q4_0 => GgmlDType::Q4_0,
             Self::Q4K => GgmlDType::Q4K,
             Self::Q6K => GgmlDType::Q6K,
+            Self::Q5_0 => GgmlDType::Q5_0,
+        }
+    }
+
+    /// The format a row of `cols` weights gets: this one, or, for a K-quant on rows
+    /// that are not a multiple of 256, the type llama.cpp's quantizer falls back to
+    /// (`Q4_K` -> `Q5_0`, `Q6_K` -> `Q8_0`).
+    #[must_use]
+    pub fn for_width(self, cols: usize) -> Self {
+        match self {
+            Self::Q4K if !cols.is_multiple_of(256) => Self::Q5_0,
+            Self::Q6K if !cols.is_multiple_of(256) => Self::Q8_0,
+            f => f,
+        }
+    }
+
+    /// The name llama.cpp gives it (`q8_0`, `q4_k`, ...).
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+            Self::Q4K => "q4_k",
+            Self::Q6K => "q6_k",
+            Self::Q5_0 => "q5_0",
         }
     }
 

@@ -35,10 +35,18 @@ pub fn svg_chart(r: &Report) -> Result<String> {
         root.fill(&WHITE).map_err(chart_err)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(
-                format!(
-                    "Offline benchmark: quality against stored bytes (seed {}, {} steps)",
-                    r.config.seed, r.config.steps
-                ),
+                match &r.config {
+                    crate::BenchConfig::Synthetic(c) => format!(
+                        "Offline benchmark: quality against stored bytes (seed {}, {} steps)",
+                        c.seed, c.steps
+                    ),
+                    crate::BenchConfig::Real(c) => format!(
+                        "Real-model benchmark: {} (reference: its Q4_1 weights in f32)",
+                        std::path::Path::new(&c.model)
+                            .file_name()
+                            .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+                    ),
+                },
                 ("sans-serif", 18),
             )
             .margin(16)

@@ -30,6 +30,7 @@
 mod chart;
 mod replay;
 mod report;
+mod real;
 mod run;
 mod stages;
 pub mod task;
@@ -37,7 +38,12 @@ pub mod task;
 pub use chart::svg_chart;
 pub use replay::{Difference, Tolerance, compare, not_compared};
 pub use report::{
-    Corpus, ModuleBytes, PairedRow, Report, Storage, Training, Variant, VariantTiming, markdown,
+    Corpus, ModuleBytes, PairedRow, Report, Storage, ThreadTiming, Training, Variant,
+    VariantTiming, markdown,
+};
+pub use real::{
+    Probe, ProbeRequest, ProbeResult, RealConfig, candle_format, load_variant, probe_in_process,
+    run_real,
 };
 pub use run::run;
 
@@ -90,6 +96,17 @@ pub enum Error {
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a report ran: the synthetic benchmark or the real-model one. Untagged, so a
+/// synthetic report's JSON is what it always was.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum BenchConfig {
+    /// The synthetic benchmark ([`run`]).
+    Synthetic(Config),
+    /// The real-model benchmark ([`run_real`]).
+    Real(RealConfig),
+}
 
 /// Everything that decides a run. Defaults are the README's run (under five minutes on
 /// two cores).
@@ -184,22 +201,38 @@ impl Progress for NoProgress {
 
 /// Re-runs `recorded`'s configuration (artifacts under `work_dir`) and compares: every
 /// deterministic field exactly, likelihoods within `tol`. Returns the fresh report and
-/// the differences (empty: reproduced).
+/// the differences (empty: reproduced). A real-model report's memory and speed are
+/// measured again through `probe` (not compared).
 ///
 /// # Errors
-/// As [`run`].
+/// As [`run`] and [`run_real`].
 pub fn replay(
     recorded: &Report,
     work_dir: &std::path::Path,
     tol: Tolerance,
     progress: &dyn Progress,
+    probe: &dyn Probe,
 ) -> Result<(Report, Vec<Difference>)> {
-    let fresh = run(&recorded.config, work_dir, progress)?;
+    let fresh = match &recorded.config {
+        BenchConfig::Synthetic(c) => run(c, work_dir, progress)?,
+        BenchConfig::Real(c) => run_real(c, work_dir, progress, probe)?,
+    };
     if let Some(note) = not_compared(recorded, &fresh) {
         progress.done(&note);
     }
     let diffs = compare(recorded, &fresh, tol);
     Ok((fresh, diffs))
+}
+
+/// Runs every probe in this process (the thread count is whatever the process has):
+/// for tests and for the synthetic benchmark, which measures in-process.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InProcess;
+
+impl Probe for InProcess {
+    fn probe(&self, req: &ProbeRequest, _threads: usize) -> Result<ProbeResult> {
+        probe_in_process(req)
+    }
 }
 
 /// Perplexity of a causal model on documents of token ids, and, given the f32 reference,

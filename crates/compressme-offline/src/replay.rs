@@ -140,17 +140,13 @@ pub fn compare(recorded: &Report, fresh: &Report, tol: Tolerance) -> Vec<Differe
     d.exact("tool", &recorded.tool, &fresh.tool);
     d.exact("config", &recorded.config, &fresh.config);
     d.exact("corpus", &recorded.corpus, &fresh.corpus);
-    d.exact(
-        "training.weights_sha256",
-        &recorded.training.weights_sha256,
-        &fresh.training.weights_sha256,
-    );
-    d.all_close(
-        "training.losses",
-        &recorded.training.losses,
-        &fresh.training.losses,
-        tol.nll_abs,
-    );
+    match (&recorded.training, &fresh.training) {
+        (Some(a), Some(b)) => {
+            d.exact("training.weights_sha256", &a.weights_sha256, &b.weights_sha256);
+            d.all_close("training.losses", &a.losses, &b.losses, tol.nll_abs);
+        }
+        (a, b) => d.exact("training", &a.is_some(), &b.is_some()),
+    }
     d.exact(
         "profile_sha256",
         &recorded.profile_sha256,

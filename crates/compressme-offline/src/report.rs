@@ -7,7 +7,7 @@ use compressme_eval::{Paired, Shift, Timing, Window};
 use compressme_plan::Plan;
 use serde::{Deserialize, Serialize};
 
-use crate::{Config, Error, Result, Tolerance};
+use crate::{BenchConfig, Error, Result, Tolerance};
 
 /// Everything one run measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,12 +17,14 @@ pub struct Report {
     pub report_version: u32,
     /// The tool and its version.
     pub tool: String,
-    /// What was asked for.
-    pub config: Config,
+    /// What was asked for: the synthetic benchmark's configuration, or the real-model
+    /// benchmark's.
+    pub config: BenchConfig,
     /// What it was trained, calibrated and evaluated on.
     pub corpus: Corpus,
-    /// How training went.
-    pub training: Training,
+    /// How training went (the synthetic benchmark; none for a pretrained model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<Training>,
     /// SHA-256 of the calibration profile's JSON.
     pub profile_sha256: String,
     /// The plans the mixed variants were packed from, by variant name.
@@ -125,6 +127,20 @@ pub struct VariantTiming {
     pub forward: Timing,
     /// Greedy generation from a few prompts (units: tokens actually produced).
     pub generate: Timing,
+    /// Generation on each thread count timed (the real-model benchmark, each sample a
+    /// child process; empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub generate_threads: Vec<ThreadTiming>,
+}
+
+/// Generation timing on one thread count.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThreadTiming {
+    /// Threads the kernels used.
+    pub threads: usize,
+    /// Seconds and tokens produced, one sample a round.
+    pub timing: Timing,
 }
 
 /// One stored variant and how it did.
@@ -228,8 +244,142 @@ fn kib(b: u64) -> String {
 /// The report as Markdown: a summary line, the variant table, the paired comparisons.
 #[must_use]
 pub fn markdown(r: &Report) -> String {
+    match (&r.config, &r.training) {
+        (BenchConfig::Synthetic(c), Some(t)) => markdown_synthetic(r, c, t),
+        (BenchConfig::Real(c), _) => markdown_real(r, c),
+        (BenchConfig::Synthetic(_), None) => "A synthetic report without its training.\n".into(),
+    }
+}
+
+/// The paired comparisons other than each variant against the reference.
+fn questions_table(s: &mut String, r: &Report) {
+    let reference = r.variants.first();
+    s.push_str("| question | a | b | mean NLL(b) - NLL(a) | 95% bootstrap CI | b better / a better | sign test p |\n");
+    s.push_str("| --- | --- | --- | ---: | --- | ---: | ---: |\n");
+    for p in r
+        .paired
+        .iter()
+        .filter(|p| reference.is_none_or(|f| p.a != f.name))
+    {
+        let q = &p.paired;
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:+.5} | [{:+.5}, {:+.5}] | {} / {} | {:.3} |",
+            p.question,
+            p.a,
+            p.b,
+            q.mean_diff,
+            q.ci_low,
+            q.ci_high,
+            q.b_better,
+            q.a_better,
+            q.sign_test_p
+        );
+    }
+}
+
+/// `NLL(v) - NLL(reference)` with its interval, from the paired rows.
+fn against_reference(r: &Report, v: &Variant) -> String {
+    let reference = r.variants.first();
+    r.paired
+        .iter()
+        .find(|p| reference.is_some_and(|f| p.a == f.name) && p.b == v.name)
+        .map_or("-".to_string(), |p| {
+            format!(
+                "{:+.4} [{:+.4}, {:+.4}]",
+                p.paired.mean_diff, p.paired.ci_low, p.paired.ci_high
+            )
+        })
+}
+
+fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
     let mut s = String::new();
-    let c = &r.config;
+    let reference = r.variants.first();
+    let base = reference
+        .map_or(1, |v| v.storage.module_stored_bytes)
+        .max(1);
+    let ref_ppl = reference.map_or(f64::NAN, |v| v.perplexity);
+    let _ = writeln!(
+        s,
+        "Real-model benchmark ({}): {} (SHA-256 {}), **the reference is its weights dequantized to f32**: they were shipped on a 4-bit grid (Q4_1), so every other variant re-quantizes already-quantized weights. Calibrated on {} windows of {} tokens of `{}` (SHA-256 {}); evaluated on the first {} tokens of `{}` ({} targets, windows of {} at stride {}; token SHA-256 {}). candle's kernels: {}.",
+        r.tool,
+        c.model,
+        c.model_sha256.get(..12).unwrap_or(""),
+        r.corpus.calibration_docs,
+        c.window,
+        c.calibration_text,
+        r.corpus.calibration_sha256.get(..12).unwrap_or(""),
+        c.eval_tokens,
+        c.eval_text,
+        r.corpus.targets,
+        r.corpus.window.len,
+        r.corpus.window.stride,
+        r.corpus.eval_sha256.get(..12).unwrap_or(""),
+        r.candle_kernels,
+    );
+    s.push('\n');
+    let threads: Vec<String> = c
+        .timing_threads
+        .iter()
+        .map(|t| format!("gen tok/s, {t} thread{}", if *t == 1 { "" } else { "s" }))
+        .collect();
+    let _ = writeln!(
+        s,
+        "| variant | module MiB | vs f32 | file MiB | perplexity | ratio | NLL - f32 [95% CI] | KL mean | KL p99 | top-1 agree | {} | peak RSS MiB |",
+        threads.join(" | ")
+    );
+    let _ = writeln!(
+        s,
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | {}---: |",
+        "---: | ".repeat(threads.len())
+    );
+    let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
+    for v in &r.variants {
+        let name = if v.control {
+            format!("{} (control)", v.name)
+        } else {
+            v.name.clone()
+        };
+        let rates: Vec<String> = v
+            .timing
+            .generate_threads
+            .iter()
+            .map(|t| format!("{:.1}", t.timing.median_rate()))
+            .collect();
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {:.3} | {} | {:.3} | {:.4} | {} | {:.2e} | {:.2e} | {:.4} | {} | {} |",
+            mib(v.storage.module_stored_bytes),
+            v.storage.module_stored_bytes as f64 / base as f64,
+            mib(v.storage.file_bytes),
+            v.perplexity,
+            v.perplexity / ref_ppl,
+            against_reference(r, v),
+            v.shift.kl_mean,
+            v.shift.kl_p99,
+            v.shift.top1_agreement,
+            rates.join(" | "),
+            v.peak_rss_bytes.map_or("-".into(), mib),
+        );
+    }
+    s.push('\n');
+    questions_table(&mut s, r);
+    s.push('\n');
+    let _ = writeln!(
+        s,
+        "Module weights: every stored buffer of the linears and embeddings (the tied embedding is the output head); norms ({} bytes) are dense in every variant. Generation: greedy, {} new tokens after a {}-token prompt from the held-out text, one child process a sample, {} interleaved rounds; peak RSS: the child that loaded the variant and ran one window of {} tokens and one generation on {} thread(s). Timing and memory are context for this machine, not claims.",
+        reference.map_or(0, |v| v.storage.other_bytes),
+        c.generate_tokens,
+        c.prompt_tokens,
+        c.timing_reps,
+        c.window,
+        c.timing_threads.first().copied().unwrap_or(1),
+    );
+    s
+}
+
+fn markdown_synthetic(r: &Report, c: &crate::Config, training: &Training) -> String {
+    let mut s = String::new();
     let fp32 = r.variants.first();
     let base = fp32.map_or(1, |v| v.storage.module_stored_bytes).max(1);
     let _ = writeln!(
@@ -242,8 +392,8 @@ pub fn markdown(r: &Report) -> String {
         c.model.context,
         c.steps,
         c.seed,
-        r.training.losses.first().copied().unwrap_or(f64::NAN),
-        r.training.losses.last().copied().unwrap_or(f64::NAN),
+        training.losses.first().copied().unwrap_or(f64::NAN),
+        training.losses.last().copied().unwrap_or(f64::NAN),
         r.corpus.eval_docs,
         c.doc_len,
         r.corpus.targets,
@@ -258,16 +408,7 @@ pub fn markdown(r: &Report) -> String {
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
     for v in &r.variants {
-        let vs = r
-            .paired
-            .iter()
-            .find(|p| fp32.is_some_and(|f| p.a == f.name) && p.b == v.name);
-        let ci = vs.map_or("-".to_string(), |p| {
-            format!(
-                "{:+.4} [{:+.4}, {:+.4}]",
-                p.paired.mean_diff, p.paired.ci_low, p.paired.ci_high
-            )
-        });
+        let ci = against_reference(r, v);
         let name = if v.control {
             format!("{} (control)", v.name)
         } else {
@@ -297,28 +438,7 @@ pub fn markdown(r: &Report) -> String {
         );
     }
     s.push('\n');
-    s.push_str("| question | a | b | mean NLL(b) - NLL(a) | 95% bootstrap CI | b better / a better | sign test p |\n");
-    s.push_str("| --- | --- | --- | ---: | --- | ---: | ---: |\n");
-    for p in r
-        .paired
-        .iter()
-        .filter(|p| fp32.is_none_or(|f| p.a != f.name))
-    {
-        let q = &p.paired;
-        let _ = writeln!(
-            s,
-            "| {} | {} | {} | {:+.5} | [{:+.5}, {:+.5}] | {} / {} | {:.3} |",
-            p.question,
-            p.a,
-            p.b,
-            q.mean_diff,
-            q.ci_low,
-            q.ci_high,
-            q.b_better,
-            q.a_better,
-            q.sign_test_p
-        );
-    }
+    questions_table(&mut s, r);
     s.push('\n');
     let _ = writeln!(
         s,

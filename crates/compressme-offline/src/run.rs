@@ -22,7 +22,7 @@ use crate::stages::{
     time_interleaved, write_gguf, write_ours,
 };
 use crate::task::{self, corpus_sha256, sequence};
-use crate::{Config, Error, Progress, Result, Tolerance};
+use crate::{BenchConfig, Config, Error, Progress, Result, Tolerance};
 
 /// Checks that a configuration can run at all.
 fn check(cfg: &Config) -> Result<()> {
@@ -293,7 +293,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         compressme_eval::reset_peak_rss();
         let baseline_rss_bytes = compressme_eval::current_rss_bytes();
         let t_load = Instant::now();
-        let loaded = load(&p.spec, &file, &linears, &dev)?;
+        let loaded = load(&p.spec, &file, &dev)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
         progress.inc(1);
         let scored = score_documents(&eval_docs, window, true, |ids| {
@@ -331,6 +331,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
                 load_seconds,
                 forward: Timing::from_samples(0, Vec::new(), Vec::new()),
                 generate: Timing::from_samples(0, Vec::new(), Vec::new()),
+                generate_threads: Vec::new(),
             },
             peak_rss_bytes,
             baseline_rss_bytes,
@@ -344,7 +345,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
     let models = planned
         .iter()
         .zip(&files)
-        .map(|(p, f)| load(&p.spec, f, &linears, &dev))
+        .map(|(p, f)| load(&p.spec, f, &dev))
         .collect::<Result<Vec<_>>>()?;
     let timings = time_interleaved(
         &models,
@@ -399,7 +400,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
     Ok(Report {
         report_version: crate::REPORT_VERSION,
         tool: format!("compressme {}", env!("CARGO_PKG_VERSION")),
-        config: cfg.clone(),
+        config: BenchConfig::Synthetic(cfg.clone()),
         corpus: Corpus {
             train_pairs: split.train.len(),
             calibration_docs: calib_docs.len(),
@@ -409,7 +410,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
             targets: reference.map_or(0, |r| r.tokens.len()),
             window,
         },
-        training,
+        training: Some(training),
         profile_sha256: sha256_hex(profile_json.as_bytes()),
         plans,
         variants,
@@ -422,10 +423,10 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
 }
 
 /// A variant's model from its file.
-fn load(spec: &Spec, file: &Path, linears: &[String], dev: &Device) -> Result<CausalLm> {
+fn load(spec: &Spec, file: &Path, dev: &Device) -> Result<CausalLm> {
     match spec {
         Spec::Ours { .. } => Ok(CausalLm::from_artifact(file, dev)?),
-        Spec::Candle(f) => read_gguf(file, linears, *f, |meta, tensors| {
+        Spec::Candle(f) => read_gguf(file, *f, |meta, tensors| {
             let cfg: CausalConfig = meta
                 .get(CONFIG_KEY)
                 .ok_or_else(|| Error::Json(format!("{}: no `{CONFIG_KEY}`", file.display())))

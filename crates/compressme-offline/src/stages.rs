@@ -180,7 +180,8 @@ pub(crate) fn write_ours(
     Ok(w.finish()?)
 }
 
-/// Writes a GGUF file (candle's writer): every linear in `linears` in `format`, the rest
+/// Writes a GGUF file (candle's writer): every linear in `linears` in `format` (or the
+/// type llama.cpp falls back to for its width, see `LlamaFormat::for_width`), the rest
 /// f32, under the model's own tensor names, with `metadata` as strings.
 pub(crate) fn write_gguf(
     path: &Path,
@@ -197,7 +198,7 @@ pub(crate) fn write_gguf(
         let qt = match (is_linear, t.dims2()) {
             (true, Ok((rows, cols))) => {
                 let w = t.flatten_all()?.to_vec1::<f32>()?;
-                compressme_nn::llama_qtensor(&w, rows, cols, format)?
+                compressme_nn::llama_qtensor(&w, rows, cols, format.for_width(cols))?
             }
             _ => QTensor::quantize(t, GgmlDType::F32)?,
         };
@@ -219,11 +220,11 @@ pub(crate) fn write_gguf(
 }
 
 /// Reads a GGUF file [`write_gguf`] wrote: `build` makes the model from its string
-/// metadata and its tensors dequantized, then every linear in `linears` takes candle's
-/// quantized tensor (checked to be `format`), run by candle's quantized kernels.
+/// metadata and its tensors dequantized, then every linear takes candle's quantized
+/// tensor (checked to be `format`, or its fallback for the row width), run by candle's
+/// quantized kernels.
 pub(crate) fn read_gguf<M: Model>(
     path: &Path,
-    linears: &[String],
     format: LlamaFormat,
     build: impl FnOnce(&BTreeMap<String, String>, HashMap<String, Tensor>) -> Result<M>,
 ) -> Result<M> {
@@ -239,34 +240,37 @@ pub(crate) fn read_gguf<M: Model>(
         })
         .collect();
     let mut tensors = HashMap::new();
-    let mut packed = Vec::new();
+    let mut quantized = HashMap::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     for name in names {
         let qt = content.tensor(&mut f, name, &dev)?;
         tensors.insert(name.clone(), qt.dequantize(&dev)?);
-        if let Some(m) = name.strip_suffix(".weight")
-            && linears.iter().any(|l| l == m)
-        {
-            packed.push((m.to_string(), qt));
-        }
+        quantized.insert(name.clone(), qt);
     }
     // build with dense weights, then give every linear candle's quantized tensor
     let mut model = build(&metadata, tensors)?;
-    for (m, qt) in packed {
-        if qt.dtype() != format.ggml() {
+    for m in model.modules() {
+        if m.kind != compressme_nn::ModuleKind::Linear {
+            continue;
+        }
+        let want = format.for_width(m.cols).ggml();
+        let qt = quantized
+            .remove(&format!("{}.weight", m.name))
+            .ok_or_else(|| Error::Json(format!("{}: no `{}.weight`", path.display(), m.name)))?;
+        if qt.dtype() != want {
             return Err(Error::Json(format!(
-                "{}: `{m}.weight` is {:?}, expected {:?}",
+                "{}: `{}.weight` is {:?}, expected {want:?}",
                 path.display(),
-                qt.dtype(),
-                format.ggml()
+                m.name,
+                qt.dtype()
             )));
         }
-        match model.module_mut(&m) {
+        match model.module_mut(&m.name) {
             Some(ModuleMut::Linear(l)) => {
                 l.set_weight(compressme_nn::Weight::Ggml(std::sync::Arc::new(qt)))?;
             }
-            _ => return Err(Error::Json(format!("`{m}` is not a linear"))),
+            _ => return Err(Error::Json(format!("`{}` is not a linear", m.name))),
         }
     }
     Ok(model)

@@ -27,34 +27,185 @@ pub(crate) struct BenchArgs {
     /// Seeds of the shuffled controls (comma-separated).
     #[arg(long)]
     shuffle_seeds: Option<String>,
-    /// The report; the table (.md) and chart (.svg) go beside it with the same stem.
-    #[arg(short, long, default_value = "results/offline.json")]
-    output: PathBuf,
-    /// Where the variants' files are written (and kept).
-    #[arg(long, default_value = "target/offline")]
-    work_dir: PathBuf,
+    /// The report; the table (.md) and chart (.svg) go beside it with the same stem
+    /// (default results/offline.json, or results/real.json with --model).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// Where the variants' files are written and kept (default target/offline, or
+    /// target/real with --model).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// The real-model benchmark on this pretrained decoder (a llama GGUF file, a model
+    /// folder or a decoder artifact) instead of the synthetic one: calibrated on
+    /// --calibration-text, evaluated on --eval-text, memory and speed measured in child
+    /// processes. Default settings: `RealConfig::default()` (SmolLM2 on Austen).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Real model: the SHA-256 its source file must have (default: SmolLM2's when the
+    /// model is the default one, otherwise not checked).
+    #[arg(long)]
+    model_sha256: Option<String>,
+    /// Real model: calibration text.
+    #[arg(long)]
+    calibration_text: Option<String>,
+    /// Real model: calibration windows.
+    #[arg(long)]
+    calibration_windows: Option<usize>,
+    /// Real model: held-out text.
+    #[arg(long)]
+    eval_text: Option<String>,
+    /// Real model: held-out tokens scored.
+    #[arg(long)]
+    eval_tokens: Option<usize>,
+    /// Real model: evaluation (and calibration) window.
+    #[arg(long)]
+    window: Option<usize>,
+    /// Real model: evaluation stride.
+    #[arg(long)]
+    stride: Option<usize>,
+    /// Real model: budgets in bits a weight (comma-separated).
+    #[arg(long)]
+    budgets: Option<String>,
+    /// Real model: timed generation, new tokens.
+    #[arg(long)]
+    generate_tokens: Option<usize>,
+    /// Real model: timed generation, prompt tokens.
+    #[arg(long)]
+    prompt_tokens: Option<usize>,
+    /// Real model: thread counts timed (comma-separated).
+    #[arg(long)]
+    timing_threads: Option<String>,
     /// Re-run the configuration recorded in this report and check that it reproduces
     /// (exit 1 listing the fields that differ); nothing under --output is written.
     #[arg(long)]
     replay: Option<PathBuf>,
 }
 
+fn list<T: std::str::FromStr>(s: &str, what: &str) -> Result<Vec<T>> {
+    s.split(',')
+        .map(|x| x.trim().parse::<T>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| anyhow::anyhow!("{what} takes a comma-separated list"))
+}
+
+/// Measures a stored variant in a child process of this binary (`bench-probe`), so the
+/// memory peak is the variant's alone and the thread count takes effect.
+struct ChildProbe;
+
+impl offline::Probe for ChildProbe {
+    fn probe(
+        &self,
+        req: &offline::ProbeRequest,
+        threads: usize,
+    ) -> offline::Result<offline::ProbeResult> {
+        use std::io::Write;
+        let fail = |m: String| offline::Error::Config(format!("probe of {}: {m}", req.file.display()));
+        let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
+        let mut child = std::process::Command::new(exe)
+            .arg("bench-probe")
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| fail(e.to_string()))?;
+        let body = serde_json::to_vec(req).map_err(|e| fail(e.to_string()))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(&body).map_err(|e| fail(e.to_string()))?;
+        }
+        let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
+        if !out.status.success() {
+            return Err(fail(String::from_utf8_lossy(&out.stderr).trim().to_string()));
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| fail(e.to_string()))
+    }
+}
+
+/// `bench-probe`: one [`offline::ProbeRequest`] from stdin, its result as JSON on stdout.
+pub(crate) fn bench_probe() -> Result<()> {
+    let mut body = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut body).context("reading stdin")?;
+    let req: offline::ProbeRequest =
+        serde_json::from_slice(&body).context("stdin is not a probe request")?;
+    let r = offline::probe_in_process(&req)?;
+    println!("{}", serde_json::to_string(&r)?);
+    Ok(())
+}
+
+fn real_config(a: &BenchArgs, model: &Path) -> Result<offline::RealConfig> {
+    let mut c = offline::RealConfig::default();
+    let default_model = Path::new(&c.model) == model;
+    c.model = model.display().to_string();
+    match (&a.model_sha256, default_model) {
+        (Some(s), _) => c.model_sha256.clone_from(s),
+        (None, false) => c.model_sha256.clear(),
+        (None, true) => {}
+    }
+    if let Some(t) = &a.calibration_text {
+        c.calibration_text.clone_from(t);
+    }
+    if let Some(t) = &a.eval_text {
+        c.eval_text.clone_from(t);
+    }
+    let set = |slot: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *slot = v;
+        }
+    };
+    set(&mut c.calibration_windows, a.calibration_windows);
+    set(&mut c.eval_tokens, a.eval_tokens);
+    set(&mut c.window, a.window);
+    set(&mut c.stride, a.stride);
+    set(&mut c.generate_tokens, a.generate_tokens);
+    set(&mut c.prompt_tokens, a.prompt_tokens);
+    set(&mut c.timing_reps, a.timing_reps);
+    if let Some(b) = &a.budgets {
+        c.budgets_bpw = list(b, "--budgets")?;
+    }
+    if let Some(t) = &a.timing_threads {
+        c.timing_threads = list(t, "--timing-threads")?;
+    }
+    if let Some(s) = &a.shuffle_seeds {
+        c.shuffle_seeds = list(s, "--shuffle-seeds")?;
+    }
+    c.seed = a.seed;
+    Ok(c)
+}
+
 pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
     let bars = Bars::new();
+    let real = a.model.is_some();
+    let output = a.output.clone().unwrap_or_else(|| {
+        PathBuf::from(if real { "results/real.json" } else { "results/offline.json" })
+    });
+    let work_dir = a.work_dir.clone().unwrap_or_else(|| {
+        PathBuf::from(if real { "target/real" } else { "target/offline" })
+    });
     if let Some(recorded_path) = &a.replay {
         let text = std::fs::read_to_string(recorded_path)
             .with_context(|| format!("reading {}", recorded_path.display()))?;
         let recorded = Report::from_json(&text)
             .with_context(|| format!("{} is not a benchmark report", recorded_path.display()))?;
-        eprintln!(
-            "replaying {} (seed {}, {} steps)",
-            recorded_path.display(),
-            recorded.config.seed,
-            recorded.config.steps
-        );
+        match &recorded.config {
+            offline::BenchConfig::Synthetic(c) => eprintln!(
+                "replaying {} (seed {}, {} steps)",
+                recorded_path.display(),
+                c.seed,
+                c.steps
+            ),
+            offline::BenchConfig::Real(c) => eprintln!(
+                "replaying {} ({} on {} tokens of {})",
+                recorded_path.display(),
+                c.model,
+                c.eval_tokens,
+                c.eval_text
+            ),
+        }
         let tol = recorded.tolerance;
-        let (fresh, diffs) = offline::replay(&recorded, &a.work_dir, tol, &bars)?;
-        let fresh_path = a.work_dir.join("replay.json");
+        let (fresh, diffs) = offline::replay(&recorded, &work_dir, tol, &bars, &ChildProbe)?;
+        std::fs::create_dir_all(&work_dir)
+            .with_context(|| format!("creating {}", work_dir.display()))?;
+        let fresh_path = work_dir.join("replay.json");
         std::fs::write(&fresh_path, fresh.to_json()?)
             .with_context(|| format!("writing {}", fresh_path.display()))?;
         if diffs.is_empty() {
@@ -78,6 +229,30 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
             fresh_path.display()
         );
     }
+    if let Some(model) = &a.model {
+        if a.steps.is_some() || a.eval_docs.is_some() {
+            bail!("--steps and --eval-docs are the synthetic benchmark's: not with --model");
+        }
+        let cfg = real_config(a, model)?;
+        let report = offline::run_real(&cfg, &work_dir, &bars, &ChildProbe)?;
+        return write_report(&report, &output);
+    }
+    let real_only = [
+        a.model_sha256.is_some(),
+        a.calibration_text.is_some(),
+        a.calibration_windows.is_some(),
+        a.eval_text.is_some(),
+        a.eval_tokens.is_some(),
+        a.window.is_some(),
+        a.stride.is_some(),
+        a.budgets.is_some(),
+        a.generate_tokens.is_some(),
+        a.prompt_tokens.is_some(),
+        a.timing_threads.is_some(),
+    ];
+    if real_only.into_iter().any(|x| x) {
+        bail!("that option is the real-model benchmark's: give --model too");
+    }
     let mut cfg = Config {
         seed: a.seed,
         ..Config::default()
@@ -98,25 +273,30 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
             .collect::<Result<_, _>>()
             .context("--shuffle-seeds takes comma-separated integers")?;
     }
-    let report = offline::run(&cfg, &a.work_dir, &bars)?;
-    if let Some(dir) = a.output.parent().filter(|d| !d.as_os_str().is_empty()) {
+    let report = offline::run(&cfg, &work_dir, &bars)?;
+    write_report(&report, &output)
+}
+
+/// The report, and beside it the table (.md) and the chart (.svg).
+fn write_report(report: &Report, output: &Path) -> Result<()> {
+    if let Some(dir) = output.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let md = offline::markdown(&report);
-    let svg = offline::svg_chart(&report)?;
+    let md = offline::markdown(report);
+    let svg = offline::svg_chart(report)?;
     for (path, text) in [
-        (a.output.clone(), report.to_json()?),
-        (a.output.with_extension("md"), md.clone()),
-        (a.output.with_extension("svg"), svg),
+        (output.to_path_buf(), report.to_json()?),
+        (output.with_extension("md"), md.clone()),
+        (output.with_extension("svg"), svg),
     ] {
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     }
     println!("{md}");
     println!(
         "wrote {}, {}, {} in {:.0} s",
-        a.output.display(),
-        a.output.with_extension("md").display(),
-        a.output.with_extension("svg").display(),
+        output.display(),
+        output.with_extension("md").display(),
+        output.with_extension("svg").display(),
         report.seconds
     );
     Ok(())

@@ -33,6 +33,10 @@ enum Command {
     /// KL, top-1 agreement, paired intervals, timing and peak memory (JSON, table, chart);
     /// or replay a report and check that it reproduces.
     Bench(eval_cmds::BenchArgs),
+    /// Internal: measures one stored variant for `bench --model` (a request as JSON on
+    /// stdin, the result as JSON on stdout), in its own process.
+    #[command(hide = true)]
+    BenchProbe,
     /// Quality of a stored model on held-out data against its f32 reference: perplexity,
     /// KL and top-1 agreement (causal artifacts), or sentence-embedding cosine and
     /// retrieval agreement (BERT).
@@ -229,6 +233,7 @@ fn run() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Bench(args) => eval_cmds::bench(&args),
+        Command::BenchProbe => eval_cmds::bench_probe(),
         Command::Evaluate(args) => eval_cmds::evaluate(&args),
         Command::Pack(args) => artifact_cmds::pack(&args),
         Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),

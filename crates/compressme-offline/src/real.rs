@@ -1,0 +1,662 @@
+//! The real-model benchmark: a pretrained decoder (SmolLM2-135M-Instruct by default,
+//! its Q4_1 GGUF dequantized to f32 as the reference) calibrated on one Austen novel
+//! and evaluated on another, stored every compared way, each variant reloaded from its
+//! file; peak memory and generation speed measured in child processes ([`Probe`]).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use compressme_artifact::recipe::sha256_hex;
+use compressme_eval::{Scored, Timing, Window, score_against, score_documents, shift};
+use compressme_nn::decoder::{DECODER_CONFIG_KEY, DecoderConfig, Layout, LanguageModel};
+use compressme_nn::{Decoder, LlamaFormat, Model, ModuleKind};
+use compressme_plan::{Choice, Plan, Policy};
+use compressme_profile::{ActivationRecorder, ProfileSettings};
+use compressme_quant::{Format, GroupSize};
+use serde::{Deserialize, Serialize};
+
+use crate::report::{Corpus, Report, ThreadTiming, Variant, VariantTiming};
+use crate::stages::{
+    Lm, Planned, Spec, io, paired_rows, plans_of, read_gguf, storage, write_gguf, write_ours,
+};
+use crate::{BenchConfig, Error, Progress, Result, Tolerance};
+
+/// Everything that decides a real-model run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RealConfig {
+    /// The model: a llama GGUF file, a Hugging Face folder, or a decoder artifact.
+    pub model: String,
+    /// SHA-256 of its source file; a run refuses another file (empty: not checked).
+    pub model_sha256: String,
+    /// Calibration text (profiling only).
+    pub calibration_text: String,
+    /// Calibration windows of `window` tokens, from the start of the text.
+    pub calibration_windows: usize,
+    /// Held-out text, one document (never profiled).
+    pub eval_text: String,
+    /// Tokens of the held-out text scored (from its start).
+    pub eval_tokens: usize,
+    /// Evaluation window.
+    pub window: usize,
+    /// Evaluation stride.
+    pub stride: usize,
+    /// Budget plans, in bits a weight of the planned linears.
+    pub budgets_bpw: Vec<f64>,
+    /// Formats the budget solver may choose.
+    pub candidates: Vec<String>,
+    /// Seeds of the shuffled controls of every budget plan.
+    pub shuffle_seeds: Vec<u64>,
+    /// Bootstrap resamples of each paired interval.
+    pub bootstrap_resamples: usize,
+    /// Seeds the bootstrap.
+    pub seed: u64,
+    /// Prompt of the timed generation: the first tokens of the held-out text.
+    pub prompt_tokens: usize,
+    /// Tokens each timed generation produces.
+    pub generate_tokens: usize,
+    /// Timed rounds (every variant and thread count once a round, each in a child).
+    pub timing_reps: usize,
+    /// Thread counts timed.
+    pub timing_threads: Vec<usize>,
+    /// Rows a lossless block.
+    pub block_rows: usize,
+}
+
+impl Default for RealConfig {
+    fn default() -> Self {
+        Self {
+            model: "cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            model_sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
+            calibration_text: "cache/austen/emma.txt".into(),
+            calibration_windows: 16,
+            eval_text: "cache/austen/persuasion.txt".into(),
+            eval_tokens: 8192,
+            window: 512,
+            stride: 256,
+            budgets_bpw: vec![4.5, 6.0],
+            // not int4-g32: it reproduces the Q4_1 grid these weights sit on exactly
+            candidates: ["int8", "nf4", "nf4-g32", "nf4-g64", "nf4-g128", "int4-g64", "int4-g128"]
+                .map(String::from)
+                .to_vec(),
+            shuffle_seeds: vec![1, 2, 3],
+            bootstrap_resamples: 2000,
+            seed: 42,
+            prompt_tokens: 64,
+            generate_tokens: 128,
+            timing_reps: 3,
+            timing_threads: vec![1, 2],
+            block_rows: 16,
+        }
+    }
+}
+
+/// What a child process is asked to do with one stored variant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeRequest {
+    /// The variant's file.
+    pub file: PathBuf,
+    /// For a GGUF of candle's formats, the format (`q8_0`, `q4_k`, ...); ours otherwise.
+    pub candle: Option<String>,
+    /// A window to run once after loading (for the memory peak; may be empty).
+    pub window: Vec<u32>,
+    /// The generation prompt.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_new: usize,
+}
+
+/// What a child measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeResult {
+    /// Threads its kernels used.
+    pub threads: usize,
+    /// Loading the file (read, verify, build), seconds.
+    pub load_seconds: f64,
+    /// Resident memory before loading.
+    pub baseline_rss_bytes: Option<u64>,
+    /// Peak resident memory over loading, the window and the generation.
+    pub peak_rss_bytes: Option<u64>,
+    /// The window's forward pass, seconds (0 when there was none).
+    pub window_seconds: f64,
+    /// The generation, seconds.
+    pub generate_seconds: f64,
+    /// Tokens it produced.
+    pub generated: u64,
+}
+
+/// Runs a [`ProbeRequest`] on a given number of threads, in a fresh process (so the
+/// memory peak is the variant's, and the thread count takes effect).
+pub trait Probe {
+    /// Runs `req` with `threads` threads.
+    ///
+    /// # Errors
+    /// The child's failure.
+    fn probe(&self, req: &ProbeRequest, threads: usize) -> Result<ProbeResult>;
+}
+
+/// Loads a stored variant of a decoder: an artifact (ours), or a GGUF of candle's
+/// `format` written by the benchmark (candle's kernels).
+///
+/// # Errors
+/// The file's read, verification and build errors.
+pub fn load_variant(file: &Path, candle: Option<LlamaFormat>) -> Result<Decoder> {
+    match candle {
+        None => Ok(LanguageModel::from_artifact(file, &Device::Cpu)?.model),
+        Some(f) => read_gguf(file, f, |meta, tensors| {
+            let cfg: DecoderConfig = meta
+                .get(DECODER_CONFIG_KEY)
+                .ok_or_else(|| {
+                    Error::Json(format!("{}: no `{DECODER_CONFIG_KEY}`", file.display()))
+                })
+                .and_then(|s| serde_json::from_str(s).map_err(|e| Error::Json(e.to_string())))?;
+            let mut tensors: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+            Ok(Decoder::from_source(
+                cfg,
+                &mut tensors,
+                Layout::Linear,
+                &Device::Cpu,
+            )?)
+        }),
+    }
+}
+
+/// Parses a candle format name (`q8_0`, `q6_k`, `q4_k`, `q4_0`, `q5_0`).
+///
+/// # Errors
+/// [`Error::Config`] for another name.
+pub fn candle_format(name: &str) -> Result<LlamaFormat> {
+    LlamaFormat::ALL
+        .into_iter()
+        .find(|f| f.name() == name)
+        .ok_or_else(|| Error::Config(format!("`{name}` is not one of candle's formats here")))
+}
+
+/// Does what a [`ProbeRequest`] asks in this process: load, run the window, generate,
+/// with the peak resident memory reset first. A child process runs this.
+///
+/// # Errors
+/// Loading or running the variant.
+pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
+    let candle = req.candle.as_deref().map(candle_format).transpose()?;
+    compressme_eval::reset_peak_rss();
+    let baseline_rss_bytes = compressme_eval::current_rss_bytes();
+    let t = Instant::now();
+    let model = load_variant(&req.file, candle)?;
+    let load_seconds = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    if !req.window.is_empty() {
+        model.logits(&req.window)?;
+    }
+    let window_seconds = if req.window.is_empty() {
+        0.0
+    } else {
+        t.elapsed().as_secs_f64()
+    };
+    let t = Instant::now();
+    let generated = model.generate_tokens(&req.prompt, req.max_new)? as u64;
+    let generate_seconds = t.elapsed().as_secs_f64();
+    Ok(ProbeResult {
+        threads: candle_core::utils::get_num_threads(),
+        load_seconds,
+        baseline_rss_bytes,
+        peak_rss_bytes: compressme_eval::peak_rss_bytes(),
+        window_seconds,
+        generate_seconds,
+        generated,
+    })
+}
+
+fn read_text(path: &str) -> Result<String> {
+    std::fs::read_to_string(path).map_err(io(Path::new(path)))
+}
+
+fn check(cfg: &RealConfig) -> Result<Vec<Format>> {
+    let bad = if cfg.window < 2 || cfg.stride == 0 {
+        Some("window must be at least 2 and stride at least 1".to_string())
+    } else if cfg.calibration_windows == 0 || cfg.eval_tokens < 2 {
+        Some("calibration_windows must be positive and eval_tokens at least 2".into())
+    } else if cfg.timing_reps == 0 || cfg.timing_threads.is_empty() {
+        Some("timing_reps and timing_threads must not be empty".into())
+    } else if cfg.prompt_tokens == 0 || cfg.prompt_tokens > cfg.eval_tokens {
+        Some("prompt_tokens must be positive and at most eval_tokens".into())
+    } else if cfg.candidates.iter().any(|c| c == "int4-g32") {
+        Some(
+            "int4-g32 reproduces the Q4_1 grid of the reference exactly: leave it out of the candidates"
+                .into(),
+        )
+    } else {
+        None
+    };
+    if let Some(b) = bad {
+        return Err(Error::Config(b));
+    }
+    cfg.candidates
+        .iter()
+        .map(|c| Format::parse(c).map_err(|e| Error::Config(e.to_string())))
+        .collect()
+}
+
+/// Runs the real-model benchmark of `cfg`, writing every variant's file under
+/// `work_dir`; `probe` measures memory and generation speed in child processes.
+///
+/// # Errors
+/// A configuration that cannot run (a model of another SHA-256, a text too short), and
+/// any failure of profiling, packing, reloading or evaluating.
+#[allow(clippy::too_many_lines)] // the run reads top to bottom as the report's sections
+pub fn run_real(
+    cfg: &RealConfig,
+    work_dir: &Path,
+    progress: &dyn Progress,
+    probe: &dyn Probe,
+) -> Result<Report> {
+    let candidates = check(cfg)?;
+    let t0 = Instant::now();
+    std::fs::create_dir_all(work_dir).map_err(io(work_dir))?;
+    let lm = LanguageModel::open(Path::new(&cfg.model), &Device::Cpu)?;
+    if !cfg.model_sha256.is_empty() && lm.source.sha256 != cfg.model_sha256 {
+        return Err(Error::Config(format!(
+            "{} has SHA-256 {}, the configuration {}",
+            cfg.model, lm.source.sha256, cfg.model_sha256
+        )));
+    }
+    let model_cfg = lm.model.config().clone();
+    if cfg.window > model_cfg.context {
+        return Err(Error::Config(format!(
+            "windows of {}, the model's context is {}",
+            cfg.window, model_cfg.context
+        )));
+    }
+    let calib_text = read_text(&cfg.calibration_text)?;
+    let eval_text = read_text(&cfg.eval_text)?;
+    let mut eval_ids = lm.encode(&eval_text)?;
+    if eval_ids.len() < cfg.eval_tokens {
+        return Err(Error::Config(format!(
+            "{} has {} tokens, fewer than eval_tokens {}",
+            cfg.eval_text,
+            eval_ids.len(),
+            cfg.eval_tokens
+        )));
+    }
+    eval_ids.truncate(cfg.eval_tokens);
+    let calib_ids = lm.encode(&calib_text)?;
+    let windows: Vec<Tensor> = calib_ids
+        .chunks_exact(cfg.window)
+        .take(cfg.calibration_windows)
+        .map(|c| Tensor::new(c, &Device::Cpu).and_then(|t| t.unsqueeze(0)))
+        .collect::<candle_core::Result<_>>()?;
+    if windows.len() < cfg.calibration_windows {
+        return Err(Error::Config(format!(
+            "{} has {} windows of {} tokens, fewer than calibration_windows {}",
+            cfg.calibration_text,
+            calib_ids.len() / cfg.window,
+            cfg.window,
+            cfg.calibration_windows
+        )));
+    }
+
+    // profile on the calibration windows; error estimates for the candidates only
+    progress.stage("calibration", windows.len() as u64);
+    let settings = ProfileSettings {
+        candidates: cfg.candidates.clone(),
+        ..ProfileSettings::default()
+    };
+    let profile = ActivationRecorder::new(settings)
+        .with_calibration_sha256(sha256_hex(calib_text.as_bytes()))
+        .record(&lm.model, &windows, |m, ids| {
+            let r = m.forward(ids).map(drop);
+            progress.inc(1);
+            r
+        })?;
+    progress.done(&format!(
+        "profiled {} windows of {}",
+        windows.len(),
+        cfg.calibration_text
+    ));
+    let profile_json = profile.to_json()?;
+
+    // plans
+    let policy = Policy {
+        protect_output_head: true,
+        output_heads: lm.model.output_heads(),
+    };
+    let shapes = compressme_plan::shapes(&profile);
+    let linears: Vec<String> = lm
+        .model
+        .modules()
+        .into_iter()
+        .filter(|m| m.kind == ModuleKind::Linear)
+        .map(|m| m.name)
+        .collect();
+    let weights: u64 = shapes
+        .iter()
+        .filter(|(n, _)| linears.contains(n))
+        .map(|(_, s)| (s.rows * s.cols) as u64)
+        .sum();
+    let uniform = |f: Format| -> BTreeMap<String, Choice> {
+        linears
+            .iter()
+            .map(|n| (n.clone(), Choice::Format(f)))
+            .collect()
+    };
+    let nf4_g64 = Format::Nf4Block(GroupSize::G64);
+    let mut planned = vec![
+        Planned::ours(
+            "f32",
+            "the reference: the GGUF's Q4_1 weights dequantized to f32".into(),
+            false,
+            BTreeMap::new(),
+            None,
+        ),
+        Planned::ours(
+            "int8",
+            "every linear INT8 per row (the tied embedding/head included)".into(),
+            false,
+            uniform(Format::Int8),
+            None,
+        ),
+        Planned {
+            name: "nf4-g64".into(),
+            description: "every linear blockwise NF4, groups of 64, absmax scales".into(),
+            control: false,
+            spec: Spec::Ours {
+                choices: uniform(nf4_g64),
+                plan: None,
+                weighted: false,
+            },
+        },
+        Planned::ours(
+            "nf4-g64-aware",
+            "every linear blockwise NF4, groups of 64, scales chosen against the calibration activations".into(),
+            false,
+            uniform(nf4_g64),
+            None,
+        ),
+    ];
+    let thresholds = Plan::from_importance(&profile, policy.clone());
+    planned.push(Planned::ours(
+        "thresholds",
+        format!("the seed's importance thresholds, {}", thresholds.method),
+        false,
+        thresholds.modules.clone(),
+        Some(thresholds),
+    ));
+    for &bpw in &cfg.budgets_bpw {
+        let bytes = (bpw * weights as f64 / 8.0).floor() as u64;
+        let plan = Plan::within_budget(&profile, &candidates, bytes, policy.clone())?;
+        let name = format!("budget-{bpw}");
+        planned.push(Planned::ours(
+            &name,
+            format!("budget solver at {bpw} bits a weight ({bytes} bytes)"),
+            false,
+            plan.modules.clone(),
+            Some(plan.clone()),
+        ));
+        for &s in &cfg.shuffle_seeds {
+            let p = plan.shuffled(&shapes, s);
+            planned.push(Planned::ours(
+                &format!("{name}-shuffled-{s}"),
+                format!("{name} shuffled within equal-shaped modules, seed {s} (same bytes)"),
+                true,
+                p.modules.clone(),
+                Some(p),
+            ));
+        }
+    }
+    let nf4_bytes = compressme_plan::planned_bytes(&uniform(nf4_g64), &shapes)
+        .ok_or_else(|| Error::Config("uniform NF4-g64's bytes cannot be counted".into()))?;
+    let at_nf4 = Plan::within_budget(&profile, &candidates, nf4_bytes, policy.clone())?;
+    planned.push(Planned::ours(
+        "budget-at-nf4-g64",
+        format!("budget solver at uniform NF4-g64's {nf4_bytes} bytes"),
+        false,
+        at_nf4.modules.clone(),
+        Some(at_nf4),
+    ));
+    for f in [LlamaFormat::Q8_0, LlamaFormat::Q6K, LlamaFormat::Q4K] {
+        let fallback = f.for_width(model_cfg.hidden);
+        let note = if fallback == f {
+            String::new()
+        } else {
+            format!(
+                "; rows of {} weights (not a multiple of 256) get {}, as llama.cpp's quantizer does",
+                model_cfg.hidden,
+                fallback.name()
+            )
+        };
+        planned.push(Planned {
+            name: format!("candle-{}", f.name()),
+            description: format!(
+                "candle's {} for every linear{note}, saved as GGUF, run by candle's quantized kernels",
+                f.name()
+            ),
+            control: false,
+            spec: Spec::Candle(f),
+        });
+    }
+    let plans = plans_of(&planned);
+
+    // store, reload, evaluate: the reference once with its distributions, the rest
+    // against them
+    let tensors = lm.model.tensors()?;
+    let metadata = lm.artifact_metadata()?;
+    let config_json = metadata
+        .get(DECODER_CONFIG_KEY)
+        .cloned()
+        .unwrap_or_default();
+    let window = Window {
+        len: cfg.window,
+        stride: cfg.stride,
+    };
+    let docs = vec![eval_ids.clone()];
+    let mut reference: Option<Scored> = None;
+    let mut variants = Vec::new();
+    let mut files = Vec::new();
+    for p in &planned {
+        progress.stage(&p.name, 3);
+        let (file, file_bytes, candle) = match &p.spec {
+            Spec::Ours {
+                choices,
+                plan,
+                weighted,
+            } => {
+                let path = work_dir.join(format!("{}.cma", p.name));
+                let s = write_ours(
+                    &path,
+                    &metadata,
+                    &tensors,
+                    choices,
+                    &profile,
+                    plan.as_ref(),
+                    cfg.block_rows,
+                    *weighted,
+                )?;
+                (path, s.file_bytes, None)
+            }
+            Spec::Candle(f) => {
+                let path = work_dir.join(format!("{}.gguf", p.name));
+                write_gguf(
+                    &path,
+                    &[(DECODER_CONFIG_KEY, config_json.clone())],
+                    &tensors,
+                    &linears,
+                    *f,
+                )?;
+                let len = std::fs::metadata(&path).map_err(io(&path))?.len();
+                (path, len, Some(*f))
+            }
+        };
+        progress.inc(1);
+        let t_load = Instant::now();
+        let model = load_variant(&file, candle)?;
+        let load_seconds = t_load.elapsed().as_secs_f64();
+        progress.inc(1);
+        let logits = |ids: &[u32]| model.logits(ids).map_err(|e| e.to_string());
+        let (scored, sh) = match &reference {
+            None => {
+                let r = score_documents(&docs, window, true, logits)?;
+                let sh = shift(&r, &r)?;
+                let mut kept = r.clone();
+                kept.distributions = Vec::new();
+                reference = Some(r);
+                (kept, sh)
+            }
+            Some(r) => score_against(&docs, window, r, logits)?,
+        };
+        let st = storage(&file, file_bytes, &model)?;
+        progress.inc(1);
+        progress.done(&format!(
+            "{}: {} -> {} bytes, perplexity {:.4}, KL {:.2e}, top-1 {:.4}",
+            p.name,
+            st.module_dense_bytes,
+            st.module_stored_bytes,
+            scored.perplexity(),
+            sh.kl_mean,
+            sh.top1_agreement
+        ));
+        variants.push(Variant {
+            name: p.name.clone(),
+            description: p.description.clone(),
+            control: p.control,
+            storage: st,
+            mean_nll: scored.mean_nll(),
+            perplexity: scored.perplexity(),
+            shift: sh,
+            nll: scored.nll(),
+            timing: VariantTiming {
+                load_seconds,
+                forward: Timing::from_samples(0, Vec::new(), Vec::new()),
+                generate: Timing::from_samples(0, Vec::new(), Vec::new()),
+                generate_threads: Vec::new(),
+            },
+            peak_rss_bytes: None,
+            baseline_rss_bytes: None,
+        });
+        files.push((file, candle));
+    }
+    let targets = reference.as_ref().map_or(0, |r| r.tokens.len());
+    drop(reference);
+
+    // memory and speed, each variant in child processes, in interleaved rounds
+    let prompt: Vec<u32> = eval_ids.iter().take(cfg.prompt_tokens).copied().collect();
+    let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
+    let n = files.len() * cfg.timing_threads.len();
+    progress.stage("timing", (n * cfg.timing_reps) as u64);
+    let mut samples: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
+        vec![vec![(Vec::new(), Vec::new()); cfg.timing_threads.len()]; files.len()];
+    for round in 0..cfg.timing_reps {
+        for (i, (file, candle)) in files.iter().enumerate() {
+            for (j, &threads) in cfg.timing_threads.iter().enumerate() {
+                let first = round == 0 && j == 0;
+                let req = ProbeRequest {
+                    file: file.clone(),
+                    candle: candle.map(|f| f.name().to_string()),
+                    window: if first { first_window.clone() } else { Vec::new() },
+                    prompt: prompt.clone(),
+                    max_new: cfg.generate_tokens,
+                };
+                let r = probe.probe(&req, threads)?;
+                if let Some(v) = variants.get_mut(i) {
+                    if first {
+                        v.peak_rss_bytes = r.peak_rss_bytes;
+                        v.baseline_rss_bytes = r.baseline_rss_bytes;
+                        v.timing.forward = Timing::from_samples(
+                            0,
+                            vec![r.window_seconds],
+                            vec![first_window.len() as u64],
+                        );
+                    }
+                }
+                if let Some(s) = samples.get_mut(i).and_then(|s| s.get_mut(j)) {
+                    s.0.push(r.generate_seconds);
+                    s.1.push(r.generated);
+                }
+                progress.inc(1);
+            }
+        }
+    }
+    progress.done(&format!(
+        "timed {} variants on {:?} threads, {} interleaved rounds, each in a child process",
+        files.len(),
+        cfg.timing_threads,
+        cfg.timing_reps
+    ));
+    for (v, per_thread) in variants.iter_mut().zip(samples) {
+        v.timing.generate_threads = cfg
+            .timing_threads
+            .iter()
+            .zip(per_thread)
+            .map(|(&threads, (s, u))| ThreadTiming {
+                threads,
+                timing: Timing::from_samples(0, s, u),
+            })
+            .collect();
+        if let Some(t) = v.timing.generate_threads.first() {
+            v.timing.generate = t.timing.clone();
+        }
+    }
+
+    // the questions
+    let mut questions: Vec<(String, String, String)> = variants
+        .iter()
+        .skip(1)
+        .map(|v| ("f32".into(), v.name.clone(), format!("{} vs f32", v.name)))
+        .collect();
+    let q = |a: &str, b: &str, text: String| (a.to_string(), b.to_string(), text);
+    for &bpw in &cfg.budgets_bpw {
+        for &s in &cfg.shuffle_seeds {
+            questions.push(q(
+                &format!("budget-{bpw}-shuffled-{s}"),
+                &format!("budget-{bpw}"),
+                format!("does the {bpw}-bit budget plan beat its shuffle (seed {s})?"),
+            ));
+        }
+    }
+    questions.push(q(
+        "nf4-g64-aware",
+        "budget-at-nf4-g64",
+        "a plan at uniform NF4-g64's bytes vs uniform NF4-g64 (activation-aware scales)".into(),
+    ));
+    questions.push(q(
+        "nf4-g64",
+        "nf4-g64-aware",
+        "activation-aware scales vs absmax, NF4-g64".into(),
+    ));
+    questions.push(q("candle-q8_0", "int8", "INT8 per row vs candle Q8_0".into()));
+    for &bpw in &cfg.budgets_bpw {
+        questions.push(q(
+            "candle-q4_k",
+            &format!("budget-{bpw}"),
+            format!("the {bpw}-bit budget plan vs candle Q4_K"),
+        ));
+    }
+    let paired = paired_rows(&variants, questions, cfg.bootstrap_resamples, cfg.seed)?;
+
+    Ok(Report {
+        report_version: crate::REPORT_VERSION,
+        tool: format!("compressme {}", env!("CARGO_PKG_VERSION")),
+        config: BenchConfig::Real(cfg.clone()),
+        corpus: Corpus {
+            train_pairs: 0,
+            calibration_docs: windows.len(),
+            calibration_sha256: sha256_hex(calib_text.as_bytes()),
+            eval_docs: 1,
+            eval_sha256: crate::task::corpus_sha256(&docs),
+            targets,
+            window,
+        },
+        training: None,
+        profile_sha256: sha256_hex(profile_json.as_bytes()),
+        plans,
+        variants,
+        paired,
+        tolerance: Tolerance::default(),
+        threads: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        candle_kernels: compressme_nn::candle_kernel_tier().into(),
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
