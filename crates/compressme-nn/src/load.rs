@@ -28,8 +28,31 @@ pub(crate) fn candle_dtype(d: Dtype) -> Option<DType> {
 /// # Errors
 /// A dtype candle does not have; the artifact's read and verification errors.
 pub(crate) fn artifact_tensors(a: &mut Artifact) -> Result<Vec<(String, Tensor)>> {
+    Ok(artifact_tensors_with(a, false)?.0)
+}
+
+/// [`artifact_tensors`], but with `placeholders`, every 2-D `*.weight` stored packed or
+/// lossless is not read: it stands as a zero-stride view of the right shape (no memory)
+/// for [`apply_artifact`] to replace with its stored form, so that loading a packed model
+/// never holds its dense weights. Returns the tensors and the names that stand in.
+///
+/// # Errors
+/// As [`artifact_tensors`].
+pub(crate) fn artifact_tensors_with(
+    a: &mut Artifact,
+    placeholders: bool,
+) -> Result<(Vec<(String, Tensor)>, Vec<String>)> {
     let mut out = Vec::new();
+    let mut standing = Vec::new();
     for t in a.recipe().tensors.clone() {
+        let packed = !matches!(t.storage, compressme_artifact::StorageRecipe::Dense);
+        if placeholders && packed && t.shape.len() == 2 && t.name.ends_with(".weight") {
+            let view =
+                Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(t.shape.as_slice())?;
+            out.push((t.name.clone(), view));
+            standing.push(t.name.clone());
+            continue;
+        }
         let dtype = Dtype::parse(&t.dtype)
             .and_then(candle_dtype)
             .ok_or_else(|| Error::Shape(format!("`{}` has dtype {}", t.name, t.dtype)))?;
@@ -39,7 +62,7 @@ pub(crate) fn artifact_tensors(a: &mut Artifact) -> Result<Vec<(String, Tensor)>
             Tensor::from_raw_buffer(&bytes, dtype, &t.shape, &Device::Cpu)?,
         ));
     }
-    Ok(out)
+    Ok((out, standing))
 }
 
 enum Staged {

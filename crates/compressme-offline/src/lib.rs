@@ -28,22 +28,22 @@
 #![forbid(unsafe_code)]
 
 mod chart;
+mod real;
 mod replay;
 mod report;
-mod real;
 mod run;
 mod stages;
 pub mod task;
 
 pub use chart::svg_chart;
+pub use real::{
+    Probe, ProbeRequest, ProbeResult, RealConfig, candle_format, load_variant, probe_in_process,
+    run_real,
+};
 pub use replay::{Difference, Tolerance, compare, not_compared};
 pub use report::{
     Corpus, ModuleBytes, PairedRow, Report, Storage, ThreadTiming, Training, Variant,
     VariantTiming, markdown,
-};
-pub use real::{
-    Probe, ProbeRequest, ProbeResult, RealConfig, candle_format, load_variant, probe_in_process,
-    run_real,
 };
 pub use run::run;
 

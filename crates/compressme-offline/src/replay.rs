@@ -142,7 +142,11 @@ pub fn compare(recorded: &Report, fresh: &Report, tol: Tolerance) -> Vec<Differe
     d.exact("corpus", &recorded.corpus, &fresh.corpus);
     match (&recorded.training, &fresh.training) {
         (Some(a), Some(b)) => {
-            d.exact("training.weights_sha256", &a.weights_sha256, &b.weights_sha256);
+            d.exact(
+                "training.weights_sha256",
+                &a.weights_sha256,
+                &b.weights_sha256,
+            );
             d.all_close("training.losses", &a.losses, &b.losses, tol.nll_abs);
         }
         (a, b) => d.exact("training", &a.is_some(), &b.is_some()),

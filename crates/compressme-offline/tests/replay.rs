@@ -27,7 +27,8 @@ fn the_committed_reference_report_replays_and_tampering_is_caught() {
     let text = std::fs::read_to_string(&path).unwrap();
     let recorded = Report::from_json(&text).unwrap();
     let dir = work_dir("replay");
-    let (fresh, diffs) = replay(&recorded, &dir, recorded.tolerance, &NoProgress, &InProcess).unwrap();
+    let (fresh, diffs) =
+        replay(&recorded, &dir, recorded.tolerance, &NoProgress, &InProcess).unwrap();
     for d in &diffs {
         eprintln!("differs: {d}");
     }

@@ -234,11 +234,24 @@ impl LanguageModel {
         let source: Source = serde_json::from_str(get(SOURCE_KEY)?)
             .map_err(|e| load_err(path, format!("bad `{SOURCE_KEY}`: {e}")))?;
         let tokenizer_json = get(TOKENIZER_KEY)?.clone();
-        let mut tensors: BTreeMap<String, Tensor> =
-            crate::load::artifact_tensors(&mut a)?.into_iter().collect();
+        // packed and lossless module weights are never expanded: they stand as empty
+        // views until the modules take their stored form
+        let (tensors, standing) = crate::load::artifact_tensors_with(&mut a, true)?;
+        let mut tensors: BTreeMap<String, Tensor> = tensors.into_iter().collect();
         let mut model = Decoder::from_source(cfg, &mut tensors, Layout::Linear, device)
             .map_err(|e| load_err(path, e.to_string()))?;
         drop(tensors);
+        use crate::Model;
+        if let Some(n) = standing.iter().find(|n| {
+            n.strip_suffix(".weight")
+                .and_then(|m| model.module(m))
+                .is_none()
+        }) {
+            return Err(load_err(
+                path,
+                format!("`{n}` is stored packed but is not a module weight of the model"),
+            ));
+        }
         crate::load::apply_artifact(&mut model, &mut a)?;
         Self::assemble(model, tokenizer_json, source, BTreeMap::new(), path)
     }

@@ -99,7 +99,8 @@ impl offline::Probe for ChildProbe {
         threads: usize,
     ) -> offline::Result<offline::ProbeResult> {
         use std::io::Write;
-        let fail = |m: String| offline::Error::Config(format!("probe of {}: {m}", req.file.display()));
+        let fail =
+            |m: String| offline::Error::Config(format!("probe of {}: {m}", req.file.display()));
         let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
         let mut child = std::process::Command::new(exe)
             .arg("bench-probe")
@@ -115,7 +116,9 @@ impl offline::Probe for ChildProbe {
         }
         let out = child.wait_with_output().map_err(|e| fail(e.to_string()))?;
         if !out.status.success() {
-            return Err(fail(String::from_utf8_lossy(&out.stderr).trim().to_string()));
+            return Err(fail(
+                String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            ));
         }
         serde_json::from_slice(&out.stdout).map_err(|e| fail(e.to_string()))
     }
@@ -176,10 +179,18 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
     let bars = Bars::new();
     let real = a.model.is_some();
     let output = a.output.clone().unwrap_or_else(|| {
-        PathBuf::from(if real { "results/real.json" } else { "results/offline.json" })
+        PathBuf::from(if real {
+            "results/real.json"
+        } else {
+            "results/offline.json"
+        })
     });
     let work_dir = a.work_dir.clone().unwrap_or_else(|| {
-        PathBuf::from(if real { "target/real" } else { "target/offline" })
+        PathBuf::from(if real {
+            "target/real"
+        } else {
+            "target/offline"
+        })
     });
     if let Some(recorded_path) = &a.replay {
         let text = std::fs::read_to_string(recorded_path)
