@@ -10,6 +10,9 @@
 //! - `bench [ARGS]`: the main job, the offline benchmark: `compressme bench ARGS` in
 //!   release (no download). `--seed 42 --steps N --output results/offline.json`, or
 //!   `--replay results/offline.json` to check that a report reproduces.
+//! - `bench-real [ARGS]`: fixtures, then the real-model benchmark in release: `compressme
+//!   bench --model cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ARGS` (SmolLM2 on Austen;
+//!   `--replay results/real-ci.json` checks the reduced CI report).
 //! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
 //! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
 //!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
@@ -89,11 +92,12 @@ fn main() -> ExitCode {
         Some("fixtures") => fixtures().map(|_| ()),
         Some("test") => test(args.get(1..).unwrap_or(&[])),
         Some("bench") => bench(args.get(1..).unwrap_or(&[])),
+        Some("bench-real") => bench_real(args.get(1..).unwrap_or(&[])),
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
         Some("bench-lossless") => bench_lossless(),
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
         _ => Err(
-            "usage: cargo xtask <bench [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | tidy>"
+            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | tidy>"
                 .to_string(),
         ),
     };
@@ -403,6 +407,20 @@ fn compressme_release() -> Command {
 /// The offline benchmark: needs nothing downloaded.
 fn bench(args: &[String]) -> Result<(), String> {
     run(compressme_release().arg("bench").args(args))
+}
+
+/// The real-model benchmark on SmolLM2 (fetches the fixtures first). With `--replay`,
+/// the model comes from the report.
+fn bench_real(args: &[String]) -> Result<(), String> {
+    fixtures()?;
+    let mut cmd = compressme_release();
+    cmd.arg("bench");
+    if !args.iter().any(|a| a == "--replay") {
+        let gguf = root().join("cache/smollm2").join(SMOLLM2_GGUF.0);
+        cmd.arg("--model")
+            .arg(gguf.strip_prefix(root()).unwrap_or(&gguf));
+    }
+    run(cmd.args(args))
 }
 
 fn demo(args: &[String]) -> Result<(), String> {

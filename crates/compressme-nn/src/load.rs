@@ -21,32 +21,34 @@ pub(crate) fn candle_dtype(d: Dtype) -> Option<DType> {
     })
 }
 
+/// Tensors by name, in the artifact's order.
+pub(crate) type NamedTensors = Vec<(String, Tensor)>;
+
 /// Every tensor of an artifact, read and verified, as stored dtype and shape (quantized
 /// ones dequantized): what a model is first built from, before [`apply_artifact`] gives
 /// its modules the artifact's own storage.
 ///
 /// # Errors
 /// A dtype candle does not have; the artifact's read and verification errors.
-pub(crate) fn artifact_tensors(a: &mut Artifact) -> Result<Vec<(String, Tensor)>> {
+pub(crate) fn artifact_tensors(a: &mut Artifact) -> Result<NamedTensors> {
     Ok(artifact_tensors_with(a, false)?.0)
 }
 
-/// [`artifact_tensors`], but with `placeholders`, every 2-D `*.weight` stored packed or
-/// lossless is not read: it stands as a zero-stride view of the right shape (no memory)
-/// for [`apply_artifact`] to replace with its stored form, so that loading a packed model
-/// never holds its dense weights. Returns the tensors and the names that stand in.
+/// [`artifact_tensors`], but with `placeholders`, no 2-D `*.weight` is read: each stands
+/// as a zero-stride view of the right shape (no memory) for [`apply_artifact`] to replace
+/// with its stored form, so that loading a model holds each weight once, and a packed
+/// one never dense. Returns the tensors and the names that stand in.
 ///
 /// # Errors
 /// As [`artifact_tensors`].
 pub(crate) fn artifact_tensors_with(
     a: &mut Artifact,
     placeholders: bool,
-) -> Result<(Vec<(String, Tensor)>, Vec<String>)> {
+) -> Result<(NamedTensors, Vec<String>)> {
     let mut out = Vec::new();
     let mut standing = Vec::new();
     for t in a.recipe().tensors.clone() {
-        let packed = !matches!(t.storage, compressme_artifact::StorageRecipe::Dense);
-        if placeholders && packed && t.shape.len() == 2 && t.name.ends_with(".weight") {
+        if placeholders && t.shape.len() == 2 && t.name.ends_with(".weight") {
             let view =
                 Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(t.shape.as_slice())?;
             out.push((t.name.clone(), view));

@@ -580,8 +580,8 @@ pub fn run_real(
                     max_new: cfg.generate_tokens,
                 };
                 let r = probe.probe(&req, threads)?;
-                if let Some(v) = variants.get_mut(i) {
-                    if first {
+                if first && let Some(v) = variants.get_mut(i) {
+                    {
                         v.peak_rss_bytes = r.peak_rss_bytes;
                         v.baseline_rss_bytes = r.baseline_rss_bytes;
                         v.timing.forward = Timing::from_samples(

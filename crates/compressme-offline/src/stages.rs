@@ -245,8 +245,15 @@ pub(crate) fn read_gguf<M: Model>(
     names.sort();
     for name in names {
         let qt = content.tensor(&mut f, name, &dev)?;
-        tensors.insert(name.clone(), qt.dequantize(&dev)?);
-        quantized.insert(name.clone(), qt);
+        if qt.dtype() == GgmlDType::F32 {
+            tensors.insert(name.clone(), qt.dequantize(&dev)?);
+        } else {
+            // never dequantized: a zero-stride view stands in until the linear takes it
+            let view = Tensor::zeros((), candle_core::DType::F32, &dev)?
+                .broadcast_as(qt.shape().dims())?;
+            tensors.insert(name.clone(), view);
+            quantized.insert(name.clone(), qt);
+        }
     }
     // build with dense weights, then give every linear candle's quantized tensor
     let mut model = build(&metadata, tensors)?;
@@ -257,7 +264,13 @@ pub(crate) fn read_gguf<M: Model>(
         let want = format.for_width(m.cols).ggml();
         let qt = quantized
             .remove(&format!("{}.weight", m.name))
-            .ok_or_else(|| Error::Json(format!("{}: no `{}.weight`", path.display(), m.name)))?;
+            .ok_or_else(|| {
+                Error::Json(format!(
+                    "{}: `{}.weight` is not quantized",
+                    path.display(),
+                    m.name
+                ))
+            })?;
         if qt.dtype() != want {
             return Err(Error::Json(format!(
                 "{}: `{}.weight` is {:?}, expected {want:?}",
@@ -272,6 +285,12 @@ pub(crate) fn read_gguf<M: Model>(
             }
             _ => return Err(Error::Json(format!("`{}` is not a linear", m.name))),
         }
+    }
+    if let Some(name) = quantized.keys().next() {
+        return Err(Error::Json(format!(
+            "{}: `{name}` is quantized but no linear takes it",
+            path.display()
+        )));
     }
     Ok(model)
 }

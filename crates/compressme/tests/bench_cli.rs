@@ -1,7 +1,13 @@
-//! `bench --replay` and `evaluate` on causal artifacts, through the built binary.
+//! `bench --replay` and `evaluate` on causal artifacts, and the real-model benchmark's
+//! reduced CI report (`results/real-ci.json`: SmolLM2 on a few windows of Austen, every
+//! variant, probes in child processes; needs `cargo xtask fixtures`, skipped with a
+//! printed reason when SmolLM2 is absent, required when `COMPRESSME_REQUIRE_FIXTURES` is
+//! set), through the built binary.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
 mod common;
+
+use std::process::Command;
 
 use common::{root, run};
 
@@ -115,4 +121,46 @@ fn a_small_run_writes_report_table_and_chart() {
     assert!(!ok && err.contains("eval_docs"), "{err}");
     assert!(!d.join("x.json").exists());
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn real_decoder_the_real_model_ci_report_replays() {
+    let gguf = root().join("cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.exists() {
+        assert!(
+            std::env::var_os("COMPRESSME_REQUIRE_FIXTURES").is_none(),
+            "{} is missing; run `cargo xtask fixtures`",
+            gguf.display()
+        );
+        eprintln!(
+            "skipping: {} is absent (run `cargo xtask fixtures`)",
+            gguf.display()
+        );
+        return;
+    }
+    let work = std::env::temp_dir().join(format!("cm-real-ci-{}", std::process::id()));
+    drop(std::fs::remove_dir_all(&work));
+    // the report's paths (model, texts) are relative to the repository root
+    let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
+        .current_dir(root())
+        .args(["bench", "--replay", "results/real-ci.json", "--work-dir"])
+        .arg(&work)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("reproduced"), "{stdout}");
+    // the fresh report measured memory and speed in child processes
+    let fresh: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(work.join("replay.json")).unwrap()).unwrap();
+    for v in fresh["variants"].as_array().unwrap() {
+        assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0, "{}", v["name"]);
+        let t = &v["timing"]["generate_threads"][0];
+        assert_eq!(t["threads"], 1);
+        assert_eq!(t["timing"]["units"][0], 4, "{}", v["name"]);
+    }
+    std::fs::remove_dir_all(&work).unwrap();
 }

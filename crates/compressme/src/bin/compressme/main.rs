@@ -27,6 +27,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process: boxing buys nothing
 enum Command {
     /// The offline benchmark (the main job): train a small causal model on a synthetic
     /// task, store it in every compared way, reload each, and report storage, perplexity,
