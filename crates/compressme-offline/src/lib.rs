@@ -1,4 +1,5 @@
-//! The offline benchmark: the project's main job, with no download and no accelerator.
+//! The benchmarks: the synthetic one (the project's main job, no download, no
+//! accelerator) and the real-model one, stages over one report format.
 //!
 //! [`run`] trains the small causal model of `compressme-nn` from scratch on the synthetic
 //! cyclic-symbol task under a seed, profiles it on calibration sequences, stores it in
@@ -7,13 +8,22 @@
 //! controls of the same bytes; a lossless embedding; candle's Q8_0 and Q4_0), writes each
 //! to a file, reloads it, and evaluates it on separate evaluation sequences: perplexity,
 //! KL divergence and top-1 agreement against FP32, paired intervals, raw timing samples,
-//! peak memory, storage. The [`Report`] is JSON; [`markdown`] and [`svg_chart`] render it.
-//! [`replay`] re-runs a report's configuration and lists every field that did not
-//! reproduce.
+//! peak memory, storage.
 //!
-//! What it is: a functional experiment on a synthetic task, measuring the whole pipeline
-//! end to end. What it is not: a pretrained-language-model result; the model has a few
-//! hundred thousand weights and the task a handful of rules.
+//! [`run_real`] does the same for a pretrained decoder ([`RealConfig`]: SmolLM2-135M on
+//! Jane Austen by default, its shipped Q4_1 weights dequantized to f32 as the reference):
+//! calibrated on one text and evaluated on another, budget plans with shuffled controls,
+//! a plan at uniform NF4-g64's bytes, candle's Q8_0, Q6_K and Q4_K; peak memory and
+//! generation speed on each thread count measured in child processes ([`Probe`]).
+//!
+//! The [`Report`] is JSON; [`markdown`] and [`svg_chart`] render it. [`replay`] re-runs a
+//! report's configuration and lists every field that did not reproduce.
+//!
+//! What it is: functional experiments measuring the whole pipeline end to end, the second
+//! on a real model and real text. What it is not: the synthetic run is not a
+//! pretrained-language-model result (the model has a few hundred thousand weights and the
+//! task a handful of rules), and the real run re-quantizes weights that were shipped
+//! already on a 4-bit grid.
 //!
 //! # Example
 //! ```no_run
