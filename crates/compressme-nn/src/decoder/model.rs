@@ -641,17 +641,12 @@ impl Decoder {
         }
         let s = k.dim(2)?;
         let rep = heads / kvh;
-        if rep > 1 {
-            let expand = |x: &Tensor| -> Result<Tensor> {
-                Ok(x.unsqueeze(2)?
-                    .expand((bsz, kvh, rep, s, hd))?
-                    .reshape((bsz, heads, s, hd))?)
-            };
-            k = expand(&k)?;
-            v = expand(&v)?;
-        }
+        // grouped-query attention without repeating keys and values: the `rep` query heads
+        // that share a key head (consecutive, as transformers' `repeat_kv` orders them)
+        // are `rep * t` rows of one product with it
         let scale = 1.0 / (hd as f64).sqrt();
-        let mut scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+        let q = q.contiguous()?.reshape((bsz, kvh, rep * t, hd))?;
+        let mut scores = (q.matmul(&k.t()?)? * scale)?.reshape((bsz, heads, t, s))?;
         if t > 1 {
             let mask: Vec<f32> = (0..t * s)
                 .map(|i| {
@@ -665,7 +660,9 @@ impl Decoder {
             scores = scores.broadcast_add(&Tensor::from_vec(mask, (t, s), &self.device)?)?;
         }
         let ctx = softmax_last(&scores)?
+            .reshape((bsz, kvh, rep * t, s))?
             .matmul(&v.contiguous()?)?
+            .reshape((bsz, heads, t, hd))?
             .transpose(1, 2)?
             .contiguous()?
             .reshape((bsz, t, heads * hd))?;
@@ -688,7 +685,12 @@ impl Decoder {
         }
     }
 
-    fn run(&self, ids: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+    fn run(&self, ids: &Tensor, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        self.head_logits(&self.hidden(ids, cache)?)
+    }
+
+    /// The final hidden states `[b, t, hidden]` (after the last norm) for `ids`.
+    fn hidden(&self, ids: &Tensor, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (_, t) = ids.dims2()?;
         let past = cache.as_ref().map_or(0, |c| c.len);
         if t == 0 {
@@ -724,7 +726,11 @@ impl Decoder {
         if let Some(c) = cache {
             c.len += t;
         }
-        let x = self.norm.forward(&x)?;
+        self.norm.forward(&x)
+    }
+
+    /// The output head on final hidden states `[.., hidden]`.
+    fn head_logits(&self, x: &Tensor) -> Result<Tensor> {
         match (&self.head, &self.tokens) {
             (Some(h), _) => h.forward(&x),
             (None, Tokens::Tied(l)) => l.forward(&x),
@@ -758,9 +764,21 @@ impl Decoder {
     ///
     /// # Errors
     /// As [`Decoder::forward`].
+    ///
+    /// The head runs on 64 positions at a time, so the logits are held once,
+    /// as the rows returned (a window of 512 tokens over a vocabulary of 49,152 is 100 MB).
     pub fn logit_rows(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
         let t = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
-        Ok(self.forward(&t)?.squeeze(0)?.to_vec2::<f32>()?)
+        let x = self.hidden(&t, None)?.squeeze(0)?;
+        let n = x.dim(0)?;
+        let mut rows = Vec::with_capacity(n);
+        let mut c0 = 0;
+        while c0 < n {
+            let len = HEAD_CHUNK.min(n - c0);
+            rows.extend(self.head_logits(&x.narrow(0, c0, len)?)?.to_vec2::<f32>()?);
+            c0 += len;
+        }
+        Ok(rows)
     }
 
     /// Greedy generation with the KV cache: the prompt is run once, then one token at a
@@ -779,8 +797,13 @@ impl Decoder {
         let mut next = prompt.to_vec();
         while out.len() < max_new && cache.len + next.len() <= self.cfg.context {
             let ids = Tensor::new(next.as_slice(), &self.device)?.unsqueeze(0)?;
-            let logits = self.forward_cached(&ids, &mut cache)?.squeeze(0)?;
-            let last = logits.get(next.len() - 1)?.argmax(0)?.to_scalar::<u32>()?;
+            // the head runs on the last position only: the others' logits are not used
+            let h = self.hidden(&ids, Some(&mut cache))?.squeeze(0)?;
+            let last = self
+                .head_logits(&h.narrow(0, next.len() - 1, 1)?)?
+                .squeeze(0)?
+                .argmax(0)?
+                .to_scalar::<u32>()?;
             out.push(last);
             if stop.contains(&last) {
                 break;
@@ -790,6 +813,9 @@ impl Decoder {
         Ok(out)
     }
 }
+
+/// Positions the output head runs on at a time in [`Decoder::logit_rows`].
+const HEAD_CHUNK: usize = 64;
 
 /// `x * cos + rotate_half(x) * sin` on the leading `cos.dim(1)` features of each head of
 /// `x` `[b, h, t, hd]`; the rest pass through (partial rotary).
