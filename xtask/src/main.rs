@@ -318,7 +318,6 @@ fn test(args: &[String]) -> Result<(), String> {
     fixtures()?;
     run(cargo()
         .current_dir(root())
-        .env("COMPRESSME_REQUIRE_FIXTURES", "1")
         .args(["test", "--workspace"])
         .args(args))?;
     spec_check(args)

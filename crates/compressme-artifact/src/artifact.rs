@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 
+use rayon::prelude::*;
 use sha2::Digest;
 use std::path::{Path, PathBuf};
 
@@ -14,7 +15,9 @@ use crate::recipe::{
     FORMAT_KEY, FORMAT_NAME, READABLE, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe,
     TensorRecipe, VERSION, VERSION_KEY, hex, sha256_hex,
 };
-use crate::st::{AtomicFile, Dtype, Entry, Limits, Planned, SafetensorsFile, header_bytes};
+use crate::st::{
+    AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Planned, SafetensorsFile, header_bytes,
+};
 use crate::{Error, Result};
 
 /// Payload name of a lossless tensor's block store.
@@ -446,7 +449,16 @@ impl Writer {
         drop(data);
         drop(self.data); // removes the data file
         out.sync()?;
-        let artifact = Artifact::open(out.tmp_path(), &Limits::default())?;
+        // the writer's own check is not bounded by the decoded-size limits (it encoded
+        // these bytes itself); a reader's default limits may refuse a degenerate tensor,
+        // which `Artifact::expansion` lets the caller warn about
+        let unbounded = Limits {
+            max_decoded_tensor: u64::MAX,
+            max_decoded_total: u64::MAX,
+            max_expansion: u64::MAX,
+            ..Limits::default()
+        };
+        let artifact = Artifact::open(out.tmp_path(), &unbounded)?;
         let summary = artifact.verify()?;
         out.commit()?;
         Ok(summary)
@@ -549,6 +561,7 @@ pub struct Artifact {
     file: SafetensorsFile,
     recipe: Recipe,
     file_bytes: u64,
+    limits: Limits,
 }
 
 impl Artifact {
@@ -624,10 +637,12 @@ impl Artifact {
                 stray.name
             )));
         }
+        check_decoded(path, &file, &recipe, limits)?;
         Ok(Self {
             file,
             recipe,
             file_bytes,
+            limits: limits.clone(),
         })
     }
 
@@ -663,6 +678,14 @@ impl Artifact {
             .filter_map(|n| self.file.entry(n))
             .map(Entry::len)
             .sum()
+    }
+
+    /// What tensor `t` decodes to and what its payload stores, in bytes: their ratio is
+    /// what [`Limits::max_expansion`] bounds (beyond about 20x only constant byte planes
+    /// get; `inspect` warns there).
+    #[must_use]
+    pub fn expansion(&self, t: &TensorRecipe) -> (u64, u64) {
+        (decoded_bytes(t).unwrap_or(u64::MAX), self.stored_bytes(t))
     }
 
     fn read_entry(&mut self, name: &str) -> Result<Vec<u8>> {
@@ -817,17 +840,101 @@ impl Artifact {
         Ok((bytes, exact))
     }
 
+    /// Calls `sink` with the tensor's decoded bytes in order, at most [`STREAM_BYTES`]
+    /// (or one block) at a time, blocks decoded in parallel within each piece: the
+    /// original bytes of a dense or lossless tensor (returns true; block digests are
+    /// checked, the whole-tensor digest is the caller's), or the dequantized values in the
+    /// original dtype (returns false). Memory stays bounded whatever the tensor's size.
+    ///
+    /// # Errors
+    /// As [`Artifact::read_stored`], and `sink`'s.
+    fn stream_tensor(
+        &mut self,
+        name: &str,
+        mut sink: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<bool> {
+        let t = self
+            .tensor(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor(name.into()))?;
+        let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
+        let blocks_err = |source| Error::Blocks {
+            tensor: name.into(),
+            source,
+        };
+        match self.read_stored(name)? {
+            Stored::Dense(b) => {
+                sink(&b)?;
+                Ok(true)
+            }
+            Stored::Lossless(store) => {
+                let (rb, br) = (store.row_bytes(), store.block_rows());
+                let block_bytes = rb.saturating_mul(br);
+                if block_bytes == 0 {
+                    return Ok(true);
+                }
+                let per = (STREAM_BYTES / block_bytes).max(1);
+                let (nb, rows) = (store.num_blocks(), store.rows());
+                let mut buf = Vec::new();
+                let mut b0 = 0;
+                while b0 < nb {
+                    let b1 = b0.saturating_add(per).min(nb);
+                    let r0 = (b0 as u64).saturating_mul(br as u64);
+                    let r1 = (b1 as u64).saturating_mul(br as u64).min(rows);
+                    let len = usize::try_from(r1.saturating_sub(r0))
+                        .ok()
+                        .and_then(|r| r.checked_mul(rb))
+                        .ok_or_else(|| Error::Invalid {
+                            tensor: name.into(),
+                            reason: "block range overflows".into(),
+                        })?;
+                    buf.resize(len, 0);
+                    buf.par_chunks_mut(block_bytes)
+                        .enumerate()
+                        .try_for_each_init(
+                            || store.decoder(),
+                            |dec, (i, dst)| dec.decode_block(b0 + i, dst).map(drop),
+                        )
+                        .map_err(blocks_err)?;
+                    sink(&buf)?;
+                    b0 = b1;
+                }
+                Ok(true)
+            }
+            Stored::Quantized(p) => {
+                let cols = p.cols().max(1);
+                let per = (STREAM_BYTES / (4 * cols)).max(1);
+                let mut v = Vec::new();
+                let mut r0 = 0;
+                while r0 < p.rows() {
+                    let r1 = r0.saturating_add(per).min(p.rows());
+                    v.resize((r1 - r0) * p.cols(), 0f32);
+                    p.dequantize_range_into(r0, &mut v)
+                        .map_err(|source| Error::Quant {
+                            tensor: name.into(),
+                            source,
+                        })?;
+                    sink(&from_f32(dtype, &v))?;
+                    r0 = r1;
+                }
+                Ok(false)
+            }
+        }
+    }
+
     /// Verifies every tensor: each block's digest (and the recipe's copy of it), the
     /// whole-tensor SHA-256 of what dense and lossless tensors decode to, and every
-    /// packed tensor's buffers.
+    /// packed tensor's buffers. Decodes a piece at a time ([`STREAM_BYTES`]), never a
+    /// whole tensor, under the limits the artifact was opened with.
     ///
     /// # Errors
     /// The first failure, naming the tensor (and block).
     pub fn verify(&self) -> Result<Summary> {
         let mut me = Self {
-            file: SafetensorsFile::open(self.file.path(), &Limits::default())?,
+            file: SafetensorsFile::open(self.file.path(), &self.limits)?,
             recipe: self.recipe.clone(),
             file_bytes: self.file_bytes,
+            limits: self.limits.clone(),
         };
         let mut s = Summary {
             file_bytes: self.file_bytes,
@@ -835,8 +942,8 @@ impl Artifact {
         };
         for t in &self.recipe.tensors {
             s.tensors += 1;
-            s.dense_bytes += t.shape.iter().product::<usize>() as u64
-                * Dtype::parse(&t.dtype).map_or(1, Dtype::size) as u64;
+            let want = decoded_bytes(t).unwrap_or(u64::MAX);
+            s.dense_bytes = s.dense_bytes.saturating_add(want);
             s.stored_bytes += me.stored_bytes(t);
             match &t.storage {
                 StorageRecipe::Dense => s.dense += 1,
@@ -846,10 +953,97 @@ impl Artifact {
                 }
                 StorageRecipe::Quant { .. } => s.quantized += 1,
             }
-            me.read_tensor(&t.name)?;
+            let mut h = sha2::Sha256::new();
+            let mut got = 0u64;
+            let exact = me.stream_tensor(&t.name, |b| {
+                h.update(b);
+                got = got.saturating_add(b.len() as u64);
+                Ok(())
+            })?;
+            if got != want {
+                return Err(Error::Invalid {
+                    tensor: t.name.clone(),
+                    reason: format!("decoded {got} bytes, expected {want}"),
+                });
+            }
+            if exact {
+                let d: [u8; 32] = h.finalize().into();
+                if t.sha256.as_deref() != Some(hex(&d).as_str()) {
+                    return Err(Error::Digest {
+                        tensor: t.name.clone(),
+                        what: "whole tensor".into(),
+                    });
+                }
+            }
         }
         Ok(s)
     }
+}
+
+/// Decoded bytes a streaming read ([`Artifact::verify`], [`unpack`]) holds at once.
+pub const STREAM_BYTES: usize = 64 << 20;
+
+/// What a recipe entry decodes to, in bytes (`None` when that overflows).
+fn decoded_bytes(t: &TensorRecipe) -> Option<u64> {
+    let size = Dtype::parse(&t.dtype).map_or(1, Dtype::size) as u64;
+    t.shape
+        .iter()
+        .try_fold(size, |a, &d| a.checked_mul(d as u64))
+}
+
+/// The decoded-size limits, from the recipe's shapes and the payload's sizes, before any
+/// payload is read.
+fn check_decoded(
+    path: &Path,
+    file: &SafetensorsFile,
+    recipe: &Recipe,
+    limits: &Limits,
+) -> Result<()> {
+    let mut total = 0u64;
+    for t in &recipe.tensors {
+        let too_large = |what: String, got: u64, limit: u64| Error::TooLarge {
+            path: path.to_path_buf(),
+            what,
+            got,
+            limit,
+        };
+        let decoded = decoded_bytes(t).ok_or_else(|| {
+            too_large(
+                format!("tensor `{}` decoded", t.name),
+                u64::MAX,
+                limits.max_decoded_tensor,
+            )
+        })?;
+        if decoded > limits.max_decoded_tensor {
+            return Err(too_large(
+                format!("tensor `{}` decoded", t.name),
+                decoded,
+                limits.max_decoded_tensor,
+            ));
+        }
+        total = total.saturating_add(decoded);
+        if total > limits.max_decoded_total {
+            return Err(too_large(
+                "the artifact decoded".into(),
+                total,
+                limits.max_decoded_total,
+            ));
+        }
+        let stored = payload_names(t)
+            .iter()
+            .filter_map(|n| file.entry(n))
+            .fold(0u64, |a, e| a.saturating_add(e.len()));
+        if decoded > EXPANSION_FLOOR && decoded > stored.saturating_mul(limits.max_expansion) {
+            return Err(Error::Expansion {
+                path: path.to_path_buf(),
+                tensor: t.name.clone(),
+                decoded,
+                stored,
+                limit: limits.max_expansion,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The payload tensors a recipe entry owns.
@@ -1033,7 +1227,8 @@ pub fn unpack(
                 name: t.name.clone(),
                 dtype,
                 shape: t.shape.clone(),
-                len: t.shape.iter().product::<usize>() as u64 * dtype.size() as u64,
+                // bounded by the limits `Artifact::open` checked
+                len: decoded_bytes(t).unwrap_or(u64::MAX),
             }
         })
         .collect();
@@ -1042,27 +1237,36 @@ pub fn unpack(
     out.write_all(&header)?;
     let mut s = Summary::default();
     for (t, p) in tensors.iter().zip(&planned) {
-        let (bytes, exact) = artifact.decode_tensor(&t.name)?;
-        if bytes.len() as u64 != p.len {
+        // a piece at a time: the digest on one core while the other writes; a mismatch
+        // abandons the file before it is renamed
+        let mut h = sha2::Sha256::new();
+        let mut got = 0u64;
+        let exact = artifact.stream_tensor(&t.name, |piece| {
+            got = got.saturating_add(piece.len() as u64);
+            if got > p.len {
+                return Err(Error::Invalid {
+                    tensor: t.name.clone(),
+                    reason: format!("decodes to more than {} bytes", p.len),
+                });
+            }
+            let ((), written) = rayon::join(|| h.update(piece), || out.write_all(piece));
+            written
+        })?;
+        if got != p.len {
             return Err(Error::Invalid {
                 tensor: t.name.clone(),
-                reason: format!("decoded {} bytes, expected {}", bytes.len(), p.len),
+                reason: format!("decoded {got} bytes, expected {}", p.len),
             });
         }
-        // the whole-tensor check on one core while the other writes; a mismatch
-        // abandons the file before it is renamed
-        let (checked, written) = rayon::join(
-            || {
-                if exact {
-                    artifact.check_whole(&t.name, &bytes)
-                } else {
-                    Ok(())
-                }
-            },
-            || out.write_all(&bytes),
-        );
-        checked?;
-        written?;
+        if exact {
+            let d: [u8; 32] = h.finalize().into();
+            if t.sha256.as_deref() != Some(hex(&d).as_str()) {
+                return Err(Error::Digest {
+                    tensor: t.name.clone(),
+                    what: "whole tensor".into(),
+                });
+            }
+        }
         s.tensors += 1;
         s.dense_bytes += p.len;
         if exact {

@@ -35,6 +35,24 @@ pub enum Error {
         /// The bound.
         limit: u64,
     },
+    /// A tensor that would decode to far more than it stores (a decompression bomb, or a
+    /// degenerate tensor of one repeated value), refused before decoding.
+    #[error(
+        "{}: tensor `{tensor}` decodes to {decoded} bytes from {stored} stored, more than {limit}x: a decompression bomb or a degenerate tensor (raise the expansion limit, `--max-expansion`, to accept it)",
+        path.display()
+    )]
+    Expansion {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// Bytes it decodes to.
+        decoded: u64,
+        /// Bytes its payload holds.
+        stored: u64,
+        /// The bound on their ratio.
+        limit: u64,
+    },
     /// A safetensors file without the artifact's metadata.
     #[error("{}: not a compressme artifact ({reason})", path.display())]
     NotArtifact {

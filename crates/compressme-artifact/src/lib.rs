@@ -49,10 +49,12 @@ mod source;
 mod st;
 
 pub use artifact::{
-    Added, Artifact, Stored, Summary, Writer, blocks_name, codes_name, from_f32, mins_name,
-    row_view, scales_name, to_f32, unpack, value_kind,
+    Added, Artifact, STREAM_BYTES, Stored, Summary, Writer, blocks_name, codes_name, from_f32,
+    mins_name, row_view, scales_name, to_f32, unpack, value_kind,
 };
 pub use error::{Error, Result};
 pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
 pub use source::Checkpoint;
-pub use st::{AtomicFile, Dtype, Entry, Limits, Planned, SafetensorsFile, header_bytes};
+pub use st::{
+    AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Planned, SafetensorsFile, header_bytes,
+};

@@ -23,7 +23,24 @@ pub struct Limits {
     /// Bytes of the whole file (default unbounded): set it for services that accept
     /// uploads.
     pub max_total: u64,
+    /// Bytes one tensor of an artifact decodes to (default 64 GiB), from its recipe's
+    /// shape and dtype, checked when the artifact is opened, before any payload is read.
+    pub max_decoded_tensor: u64,
+    /// Bytes all tensors of an artifact decode to together (default 1 TiB), checked the
+    /// same way.
+    pub max_decoded_total: u64,
+    /// The most a tensor that decodes to more than [`EXPANSION_FLOOR`] bytes may expand:
+    /// decoded bytes over the stored bytes of its payload (default 1,024). The coder
+    /// cannot produce more than about 20x except through constant byte planes, and a
+    /// quantized format at most 16x (two 4-bit codes a byte against f32), so only a
+    /// degenerate tensor (gigabytes of one value) or a decompression bomb meets it;
+    /// raise it to accept the former.
+    pub max_expansion: u64,
 }
+
+/// Decoded bytes below which a tensor is never refused for its expansion (64 MiB: a
+/// bounded amount of work whatever it claims).
+pub const EXPANSION_FLOOR: u64 = 64 << 20;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -32,6 +49,9 @@ impl Default for Limits {
             max_tensors: 1_000_000,
             max_tensor: 64 << 30,
             max_total: u64::MAX,
+            max_decoded_tensor: 64 << 30,
+            max_decoded_total: 1 << 40,
+            max_expansion: 1024,
         }
     }
 }

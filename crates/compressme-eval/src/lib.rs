@@ -669,9 +669,19 @@ fn status_bytes(key: &str) -> Option<u64> {
 
 /// Resets the process's peak resident set to its current size (writes `5` to
 /// `/proc/self/clear_refs`, Linux 4.0 and later), so that [`peak_rss_bytes`] then
-/// measures one stage. Returns whether the reset happened.
+/// measures one stage. Returns whether the reset happened, checked: the write succeeded
+/// **and** the peak read back afterwards is within 1 MiB of the resident set read just
+/// before it (a kernel that accepts the write but ignores it returns false). A caller
+/// that gets false reports the stage's peak as unavailable.
+#[must_use = "a peak after a failed reset covers everything before it"]
 pub fn reset_peak_rss() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+    if std::fs::write("/proc/self/clear_refs", "5").is_err() {
+        return false;
+    }
+    match (current_rss_bytes(), peak_rss_bytes()) {
+        (Some(now), Some(peak)) => peak <= now.saturating_add(1 << 20),
+        _ => false,
+    }
 }
 
 /// How closely a variant's sentence embeddings follow the reference's.

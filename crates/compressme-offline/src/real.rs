@@ -186,14 +186,16 @@ pub fn candle_format(name: &str) -> Result<LlamaFormat> {
         .ok_or_else(|| Error::Config(format!("`{name}` is not one of candle's formats here")))
 }
 
-/// Does what a [`ProbeRequest`] asks in this process: load, run the window, generate,
-/// with the peak resident memory reset first. A child process runs this.
+/// Does what a [`ProbeRequest`] asks in this process: load, run the window, generate.
+/// A fresh child process runs this, so the peak resident memory it reports is the
+/// variant's (the process's peak since it started; nothing is reset).
 ///
 /// # Errors
 /// Loading or running the variant.
 pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
     let candle = req.candle.as_deref().map(candle_format).transpose()?;
-    compressme_eval::reset_peak_rss();
+    // no reset: a child runs one request, so its peak since it started is the variant's
+    // (the baseline says what the process held before loading)
     let baseline_rss_bytes = compressme_eval::current_rss_bytes();
     let t = Instant::now();
     let model = load_variant(&req.file, candle)?;

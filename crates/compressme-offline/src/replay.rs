@@ -138,6 +138,8 @@ pub fn compare(recorded: &Report, fresh: &Report, tol: Tolerance) -> Vec<Differe
         &fresh.report_version,
     );
     d.exact("tool", &recorded.tool, &fresh.tool);
+    // fixed by the tool's version: a report cannot widen the tolerance it is checked with
+    d.exact("tolerance", &recorded.tolerance, &fresh.tolerance);
     d.exact("config", &recorded.config, &fresh.config);
     d.exact("corpus", &recorded.corpus, &fresh.corpus);
     match (&recorded.training, &fresh.training) {

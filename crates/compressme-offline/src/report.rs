@@ -442,7 +442,7 @@ fn markdown_synthetic(r: &Report, c: &crate::Config, training: &Training) -> Str
     s.push('\n');
     let _ = writeln!(
         s,
-        "Module weights: every stored buffer of the linears and the embedding (codes, scales, minimums, lossless blocks, biases); norms and positions ({} bytes) are dense in every variant. Forward: median of {} timed calls on a [{}, {}] batch, after {} warm-up rounds, the variants interleaved round by round; generation: greedy from 4 prompts, tokens actually produced; one process, {} threads offered. Timing and memory are context for this machine, not claims; peak memory is the process's, reset at each variant's load and covering its load, evaluation and one timed call of each kind.",
+        "Module weights: every stored buffer of the linears and the embedding (codes, scales, minimums, lossless blocks, biases); norms and positions ({} bytes) are dense in every variant. Forward: median of {} timed calls on a [{}, {}] batch, after {} warm-up rounds, the variants interleaved round by round; generation: greedy from 4 prompts, tokens actually produced; one process, {} threads offered. Timing and memory are context for this machine, not claims; peak memory is the process's, reset at each variant's load (the reset checked; `-` where it did not take) and covering its load, evaluation and one timed call of each kind.",
         fp32.map_or(0, |v| v.storage.other_bytes),
         c.timing_reps,
         r.corpus.eval_docs,

@@ -290,8 +290,9 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
             }
         };
         progress.inc(1);
-        compressme_eval::reset_peak_rss();
-        let baseline_rss_bytes = compressme_eval::current_rss_bytes();
+        // a peak is reported only when the reset before the load took (checked)
+        let reset = compressme_eval::reset_peak_rss();
+        let baseline_rss_bytes = compressme_eval::current_rss_bytes().filter(|_| reset);
         let t_load = Instant::now();
         let loaded = load(&p.spec, &file, &dev)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
@@ -306,7 +307,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         // interleaved across the variants
         loaded.forward(&forward_ids)?;
         generate_all(&loaded, &prompts, cfg.generate_tokens)?;
-        let peak_rss_bytes = compressme_eval::peak_rss_bytes();
+        let peak_rss_bytes = compressme_eval::peak_rss_bytes().filter(|_| reset);
         let storage = storage(&file, file_bytes, &loaded)?;
         progress.inc(1);
         progress.done(&format!(

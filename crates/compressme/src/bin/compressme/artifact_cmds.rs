@@ -325,6 +325,13 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     }
     pb.set_message("verifying");
     let summary = w.finish().context("writing the artifact")?;
+    // the writer checks its own output without the readers' decoded-size limits; say so
+    // when a reader with the defaults would refuse the file (a huge tensor of one value)
+    if let Err(e) = Artifact::open(&a.output, &Limits::default()) {
+        eprintln!(
+            "warning: {e}\n(`verify`, `unpack` and loading need the limit raised for this file)"
+        );
+    }
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     if a.json {
@@ -357,24 +364,65 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn unpack_cmd(artifact: &Path, out: &Path) -> Result<()> {
+/// The decoded-size limits of a command that reads an artifact someone else wrote.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct LimitArgs {
+    /// The most the whole artifact may decode to (bytes, or with K, M, G, T, KiB, MiB,
+    /// GiB, TiB); one tensor at most this too. Default 1 TiB, and 64 GiB a tensor.
+    #[arg(long, value_parser = parse_size)]
+    max_decoded: Option<u64>,
+    /// The most a tensor decoding to over 64 MiB may expand, decoded over stored bytes
+    /// (default 1024; only a degenerate tensor of one repeated value or a decompression
+    /// bomb goes past it).
+    #[arg(long)]
+    max_expansion: Option<u64>,
+}
+
+impl LimitArgs {
+    pub(crate) fn limits(&self) -> Limits {
+        let d = Limits::default();
+        Limits {
+            max_decoded_total: self.max_decoded.unwrap_or(d.max_decoded_total),
+            max_decoded_tensor: self
+                .max_decoded
+                .map_or(d.max_decoded_tensor, |m| m.min(d.max_decoded_tensor)),
+            max_expansion: self.max_expansion.unwrap_or(d.max_expansion),
+            ..d
+        }
+    }
+}
+
+/// `123`, `64M`, `8GiB`, ... as bytes.
+fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (a number of bytes, with K, M, G or T)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (K, M, G or T)")),
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+pub(crate) fn unpack_cmd(artifact: &Path, out: &Path, limits: &Limits) -> Result<()> {
     let t0 = Instant::now();
     let dest = if out.is_dir() {
         out.join("model.safetensors")
     } else {
         out.to_path_buf()
     };
-    let mut a = Artifact::open(artifact, &Limits::default())
+    let mut a = Artifact::open(artifact, limits)
         .with_context(|| format!("opening {}", artifact.display()))?;
-    let total: u64 = a
-        .recipe()
-        .tensors
-        .iter()
-        .map(|t| {
-            t.shape.iter().product::<usize>() as u64
-                * Dtype::parse(&t.dtype).map_or(1, Dtype::size) as u64
-        })
-        .sum();
+    // bounded by the limits `open` checked
+    let total: u64 = a.recipe().tensors.iter().map(|t| a.expansion(t).0).sum();
     let pb = bar(total);
     let s = unpack(&mut a, &dest, |name, n| {
         pb.set_message(name.to_string());
@@ -396,17 +444,38 @@ pub(crate) fn unpack_cmd(artifact: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn inspect(artifact: &Path, json: bool) -> Result<()> {
-    let a = Artifact::open(artifact, &Limits::default())
+/// Expansion (decoded over stored bytes) past which `inspect` warns: the coder reaches
+/// about 20x only through constant byte planes.
+const WARN_EXPANSION: u64 = 20;
+
+pub(crate) fn inspect(artifact: &Path, json: bool, limits: &Limits) -> Result<()> {
+    // inspect decodes nothing, so it opens whatever the file claims to decode to and
+    // says what the limits would do to `verify` and `unpack`
+    let unbounded = Limits {
+        max_decoded_tensor: u64::MAX,
+        max_decoded_total: u64::MAX,
+        max_expansion: u64::MAX,
+        ..limits.clone()
+    };
+    let a = Artifact::open(artifact, &unbounded)
         .with_context(|| format!("opening {}", artifact.display()))?;
+    let refused = Artifact::open(artifact, limits)
+        .err()
+        .map(|e| e.to_string());
+    let mut warnings = Vec::new();
     let mut rows = Vec::new();
     let (mut dense_total, mut stored_total) = (0u64, 0u64);
     for t in &a.recipe().tensors {
-        let dense = t.shape.iter().product::<usize>() as u64
-            * Dtype::parse(&t.dtype).map_or(1, Dtype::size) as u64;
-        let stored = a.stored_bytes(t);
-        dense_total += dense;
-        stored_total += stored;
+        let (dense, stored) = a.expansion(t);
+        dense_total = dense_total.saturating_add(dense);
+        stored_total = stored_total.saturating_add(stored);
+        if dense > stored.saturating_mul(WARN_EXPANSION) && dense > 1 << 20 {
+            warnings.push(format!(
+                "tensor `{}` decodes to {dense} bytes from {stored} stored ({}x): beyond what the coder produces except for one repeated value; a decompression bomb looks like this",
+                t.name,
+                dense / stored.max(1)
+            ));
+        }
         let kind = match &t.storage {
             StorageRecipe::Dense => "dense".to_string(),
             StorageRecipe::Lossless {
@@ -435,6 +504,8 @@ pub(crate) fn inspect(artifact: &Path, json: bool) -> Result<()> {
             "plan_sha256": a.recipe().plan_sha256,
             "output_head_policy": a.recipe().output_head_policy,
             "tensors": rows,
+            "warnings": warnings,
+            "refused_by_limits": refused,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -467,12 +538,18 @@ pub(crate) fn inspect(artifact: &Path, json: bool) -> Result<()> {
         stored_total as f64 / dense_total.max(1) as f64,
         a.file_bytes()
     );
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(e) = refused {
+        eprintln!("warning: `verify` and `unpack` refuse this file under these limits: {e}");
+    }
     Ok(())
 }
 
-pub(crate) fn verify(artifact: &Path) -> Result<()> {
+pub(crate) fn verify(artifact: &Path, limits: &Limits) -> Result<()> {
     let t0 = Instant::now();
-    let a = Artifact::open(artifact, &Limits::default())
+    let a = Artifact::open(artifact, limits)
         .with_context(|| format!("opening {}", artifact.display()))?;
     let s = a
         .verify()

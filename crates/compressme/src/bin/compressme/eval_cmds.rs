@@ -212,8 +212,8 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
                 c.eval_text
             ),
         }
-        let tol = recorded.tolerance;
-        let (fresh, diffs) = offline::replay(&recorded, &work_dir, tol, &bars, &ChildProbe)?;
+        let tol = offline::Tolerance::default();
+        let (fresh, diffs) = offline::replay(&recorded, &work_dir, &bars, &ChildProbe)?;
         std::fs::create_dir_all(&work_dir)
             .with_context(|| format!("creating {}", work_dir.display()))?;
         let fresh_path = work_dir.join("replay.json");

@@ -116,19 +116,29 @@ enum Command {
         /// The safetensors file to write, or a folder (model.safetensors in it).
         #[arg(short, long)]
         output: PathBuf,
+        #[command(flatten)]
+        limits: artifact_cmds::LimitArgs,
     },
-    /// Per-tensor storage, dense and stored bytes, and totals (reads no payload).
+    /// Per-tensor storage, dense and stored bytes, and totals (reads no payload; warns
+    /// where a tensor decodes to more than 20x what it stores, and where the decoded-size
+    /// limits would make `verify` and `unpack` refuse the file).
     Inspect {
         /// The artifact.
         artifact: PathBuf,
         /// As JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        limits: artifact_cmds::LimitArgs,
     },
     /// Check every digest; a non-zero exit names the tensor and block that failed.
+    /// Decodes a piece at a time (memory stays bounded), after the decoded-size limits
+    /// were checked against the header.
     Verify {
         /// The artifact.
         artifact: PathBuf,
+        #[command(flatten)]
+        limits: artifact_cmds::LimitArgs,
     },
     /// Sentence embeddings of a BERT sentence-transformers folder (all-MiniLM-L6-v2 and
     /// kin): one JSON array per input line on stdout, computed as sentence-transformers
@@ -237,7 +247,11 @@ fn run() -> Result<()> {
         Command::BenchProbe => eval_cmds::bench_probe(),
         Command::Evaluate(args) => eval_cmds::evaluate(&args),
         Command::Pack(args) => artifact_cmds::pack(&args),
-        Command::Unpack { artifact, output } => artifact_cmds::unpack_cmd(&artifact, &output),
+        Command::Unpack {
+            artifact,
+            output,
+            limits,
+        } => artifact_cmds::unpack_cmd(&artifact, &output, &limits.limits()),
         Command::Generate(args) => lm_cmds::generate(&args),
         Command::Profile {
             model_dir,
@@ -289,8 +303,12 @@ fn run() -> Result<()> {
             heads.as_deref(),
             shuffle_seed,
         ),
-        Command::Inspect { artifact, json } => artifact_cmds::inspect(&artifact, json),
-        Command::Verify { artifact } => artifact_cmds::verify(&artifact),
+        Command::Inspect {
+            artifact,
+            json,
+            limits,
+        } => artifact_cmds::inspect(&artifact, json, &limits.limits()),
+        Command::Verify { artifact, limits } => artifact_cmds::verify(&artifact, &limits.limits()),
         Command::Embed {
             model_dir,
             text,
