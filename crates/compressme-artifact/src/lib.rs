@@ -57,4 +57,5 @@ pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
 pub use source::Checkpoint;
 pub use st::{
     AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Planned, SafetensorsFile, header_bytes,
+    remove_temporaries,
 };

@@ -454,8 +454,67 @@ pub fn header_bytes(tensors: &[Planned], metadata: &BTreeMap<String, String>) ->
     Ok(out)
 }
 
+/// The temporary files of this process's [`AtomicFile`]s not yet committed or dropped.
+static LIVE: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+/// Set by [`remove_temporaries`]: the process is exiting and creates no new temporary.
+static CLOSING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn live() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Removes every temporary file this process's [`AtomicFile`]s still hold, and returns
+/// how many it removed; from then on [`AtomicFile::create`] refuses. For a signal
+/// handler (the CLI calls it on SIGINT, SIGTERM and SIGHUP before exiting): a process
+/// that is stopped that way runs no destructors.
+pub fn remove_temporaries() -> usize {
+    let mut l = live();
+    CLOSING.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = l.iter().filter(|p| std::fs::remove_file(p).is_ok()).count();
+    l.clear();
+    n
+}
+
+/// Whether process `pid` is alive (`/proc/PID` exists); `None` where there is no `/proc`.
+fn alive(pid: u32) -> Option<bool> {
+    let proc = Path::new("/proc");
+    proc.join("self")
+        .exists()
+        .then(|| proc.join(pid.to_string()).exists())
+}
+
+/// Removes `dest`'s stale temporaries: siblings named `.{name}.tmp-{pid}` (the name
+/// [`AtomicFile`] gives them) whose process is gone, such as those of a run killed with
+/// SIGKILL. Nothing else is touched, and nothing where liveness cannot be told.
+fn remove_stale(dest: &Path, name: &str) {
+    let dir = match dest.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    let prefix = format!(".{name}.tmp-");
+    for e in entries.flatten() {
+        let file_name = e.file_name();
+        let Some(pid) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && alive(pid) == Some(false) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// A file written beside its destination and renamed into place only when complete; it
-/// is removed if dropped before [`AtomicFile::commit`].
+/// is removed if dropped before [`AtomicFile::commit`], by [`remove_temporaries`] (on a
+/// signal), or by a later `create` for the same destination once its process is gone.
 #[derive(Debug)]
 pub struct AtomicFile {
     tmp: PathBuf,
@@ -464,7 +523,8 @@ pub struct AtomicFile {
 }
 
 impl AtomicFile {
-    /// Creates `dest`'s temporary sibling.
+    /// Creates `dest`'s temporary sibling `.{name}.tmp-{pid}`, after removing stale ones
+    /// of dead processes.
     ///
     /// # Errors
     /// [`Error::Io`].
@@ -472,8 +532,20 @@ impl AtomicFile {
         let name = dest
             .file_name()
             .map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
+        remove_stale(dest, &name);
         let tmp = dest.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        // created and registered under the lock [`remove_temporaries`] takes, so a signal
+        // cannot fall between the two; after it, nothing new is created
+        let mut l = live();
+        if CLOSING.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Io {
+                path: tmp,
+                source: std::io::Error::new(std::io::ErrorKind::Interrupted, "interrupted"),
+            });
+        }
         let file = File::create(&tmp).map_err(io(&tmp))?;
+        l.push(tmp.clone());
+        drop(l);
         Ok(Self {
             tmp,
             dest: dest.to_path_buf(),
@@ -517,7 +589,12 @@ impl AtomicFile {
     pub fn commit(mut self) -> Result<()> {
         self.sync()?;
         self.file = None;
-        std::fs::rename(&self.tmp, &self.dest).map_err(io(&self.dest))
+        let r = std::fs::rename(&self.tmp, &self.dest).map_err(io(&self.dest));
+        if r.is_err() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+        live().retain(|p| p != &self.tmp);
+        r
     }
 }
 
@@ -526,6 +603,7 @@ impl Drop for AtomicFile {
         if self.file.is_some() {
             self.file = None;
             let _ = std::fs::remove_file(&self.tmp);
+            live().retain(|p| p != &self.tmp);
         }
     }
 }

@@ -209,6 +209,29 @@ fn exit_quietly_on_broken_pipe() {
     }));
 }
 
+/// On SIGINT, SIGTERM or SIGHUP: remove the unfinished temporary files this process is
+/// writing (an interrupted `pack` or `unpack` leaves nothing behind), then exit with 128
+/// plus the signal's number, as a shell reports a process stopped by it.
+fn clean_up_on_signals() {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+        Ok(mut signals) => {
+            std::thread::spawn(move || {
+                if let Some(sig) = signals.forever().next() {
+                    let n = compressme::artifact::remove_temporaries();
+                    if n > 0 {
+                        eprintln!("interrupted: removed {n} unfinished file(s)");
+                    }
+                    std::process::exit(128 + sig);
+                }
+            });
+        }
+        Err(e) => tracing::warn!(
+            "no signal handler ({e}): an interrupted run may leave a temporary file, which the next run writing the same output removes"
+        ),
+    }
+}
+
 /// Errors print as one line, the cause chain included (`error: reading x: No such file`),
 /// with no backtrace: the message names what failed; `COMPRESSME_DEBUG` shows more.
 fn main() -> std::process::ExitCode {
@@ -242,6 +265,7 @@ fn run() -> Result<()> {
             tracing::Level::WARN
         })
         .init();
+    clean_up_on_signals();
     match Cli::parse().command {
         Command::Bench(args) => eval_cmds::bench(&args),
         Command::BenchProbe => eval_cmds::bench_probe(),
