@@ -399,7 +399,19 @@ impl Plan {
                 } else {
                     Format::Nf4
                 };
-                (n.clone(), Choice::Format(f))
+                // a format that cannot hold the weights is never chosen: dense instead
+                let holds = profile
+                    .modules
+                    .get(n)
+                    .is_none_or(|m| !m.unrepresentable.contains(&f.to_string()));
+                (
+                    n.clone(),
+                    if holds {
+                        Choice::Format(f)
+                    } else {
+                        Choice::Dense
+                    },
+                )
             })
             .collect();
         let mut p = Self::manual(modules, policy);
@@ -431,7 +443,9 @@ impl Plan {
                 if head && !choice.at_least_int8() {
                     continue;
                 }
-                if f.group().is_some_and(|g| !s.cols.is_multiple_of(g)) {
+                if f.group().is_some_and(|g| !s.cols.is_multiple_of(g))
+                    || s.unrepresentable.contains(&f.to_string())
+                {
                     continue;
                 }
                 if let Some(&e) = s.estimated_error.get(&f.to_string()) {

@@ -306,3 +306,95 @@ fn the_budget_solver_is_optimal_and_never_over_budget() {
         Err(Error::Budget { smallest: 10, .. })
     ));
 }
+
+#[test]
+fn plans_never_choose_a_format_that_cannot_hold_the_weights() {
+    let m = model();
+    let mut p = ActivationRecorder::new(ProfileSettings::default())
+        .record(&m, &batches(2, 4), |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    // ordinary weights fit every format, and the profile's JSON does not mention it
+    assert!(p.modules.values().all(|s| s.unrepresentable.is_empty()));
+    assert!(!p.to_json().unwrap().contains("unrepresentable"));
+    // the thresholds plan's f16 modules, as if their weights were past 65,504
+    let plan = Plan::from_importance(&p, Policy::default());
+    let f16: Vec<String> = plan
+        .modules
+        .iter()
+        .filter(|(_, c)| **c == Choice::Format(Format::F16))
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert!(!f16.is_empty());
+    let every: Vec<String> = Format::ALL.iter().map(ToString::to_string).collect();
+    for n in &f16 {
+        let s = p.modules.get_mut(n).unwrap();
+        s.unrepresentable.insert("f16".into());
+        // and one of them fits nothing but INT8 and dense
+        if n == &f16[0] {
+            s.unrepresentable = every
+                .iter()
+                .filter(|f| !f.starts_with("int8"))
+                .cloned()
+                .collect();
+        }
+    }
+    let back = compressme_profile::Profile::from_json(&p.to_json().unwrap()).unwrap();
+    assert!(back == p, "the field round-trips");
+    let plan = Plan::from_importance(&p, Policy::default());
+    for n in &f16 {
+        assert_eq!(plan.modules[n], Choice::Dense, "{n}");
+    }
+    let mut solved = 0;
+    for budget_bits in [4.5f64, 6.0, 10.0] {
+        let total: u64 = shapes(&p).values().map(|s| (s.rows * s.cols) as u64).sum();
+        let Ok(b) = Plan::within_budget(
+            &p,
+            &compressme_profile::default_candidates(),
+            (budget_bits * total as f64 / 8.0) as u64,
+            Policy::default(),
+        ) else {
+            continue;
+        };
+        for (n, c) in &b.modules {
+            if let Choice::Format(f) = c {
+                assert!(
+                    !p.modules[n].unrepresentable.contains(&f.to_string()),
+                    "{n}: {f} at {budget_bits} bits"
+                );
+            }
+        }
+        assert!(matches!(
+            b.modules[&f16[0]],
+            Choice::Dense | Choice::Format(Format::Int8)
+        ));
+        solved += 1;
+    }
+    assert!(solved >= 2, "only {solved} budgets were feasible");
+}
+
+#[test]
+fn holds_is_what_quantize_accepts() {
+    for max in [
+        1.0f32,
+        6.5e4,
+        65_504.0,
+        65_519.0,
+        65_520.0,
+        7e4,
+        1e6,
+        3.3e38,
+        f32::MAX,
+    ] {
+        for f in Format::ALL {
+            let w = [max, -max * 0.5, 0.25, 0.0];
+            let ok = compressme_quant::quantize(&w, 1, 4, f).is_ok();
+            // exact, except that INT4's minimum is the group's smallest value, which
+            // may fit where the largest magnitude does not: holds is then conservative
+            if matches!(f, Format::Int4Block(_)) {
+                assert!(!f.holds(max) || ok, "{f} at {max}");
+            } else {
+                assert_eq!(f.holds(max), ok, "{f} at {max}");
+            }
+        }
+    }
+}

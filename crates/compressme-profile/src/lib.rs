@@ -150,6 +150,11 @@ pub struct ModuleStats {
     /// `Σ_j E[x_j²] · Σ_i (w_ij - q(w)_ij)²` (a heuristic).
     #[serde(default)]
     pub estimated_error: BTreeMap<String, f64>,
+    /// Linears only: formats that cannot hold this module's weights (a finite weight
+    /// would become infinite: f16 past 65,504, say); a plan never chooses them. Absent
+    /// from the JSON when empty, so profiles of ordinary models are unchanged.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+    pub unrepresentable: std::collections::BTreeSet<String>,
 }
 
 impl ModuleStats {
@@ -371,6 +376,7 @@ impl ActivationRecorder {
                     channel_sum_abs: vec![0.0; m.cols],
                     channel_sum_sq: vec![0.0; m.cols],
                     estimated_error: BTreeMap::new(),
+                    unrepresentable: std::collections::BTreeSet::new(),
                 },
             );
         }
@@ -420,6 +426,12 @@ impl ActivationRecorder {
             for v in &w {
                 sha2::Digest::update(&mut hasher, v.to_le_bytes());
             }
+            let max_abs = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+            s.unrepresentable = compressme_quant::Format::ALL
+                .into_iter()
+                .filter(|f| !f.holds(max_abs))
+                .map(|f| f.to_string())
+                .collect();
             let msq = s.channel_mean_sq();
             for f in &candidates {
                 let Ok(q) = compressme_quant::quantize(&w, s.rows, s.cols, *f) else {

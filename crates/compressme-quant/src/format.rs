@@ -72,6 +72,20 @@ pub enum Format {
 }
 
 impl Format {
+    /// Every format, every group size.
+    pub const ALL: [Self; 10] = [
+        Self::F16,
+        Self::Bf16,
+        Self::Int8,
+        Self::Nf4,
+        Self::Nf4Block(GroupSize::G32),
+        Self::Nf4Block(GroupSize::G64),
+        Self::Nf4Block(GroupSize::G128),
+        Self::Int4Block(GroupSize::G32),
+        Self::Int4Block(GroupSize::G64),
+        Self::Int4Block(GroupSize::G128),
+    ];
+
     /// Wire tag of the format (the group size is a separate field).
     #[must_use]
     pub const fn tag(self) -> u8 {
@@ -127,6 +141,24 @@ impl Format {
     pub const fn stored_bytes(self, rows: usize, cols: usize) -> usize {
         let (n, size, mins) = self.row_params(cols);
         rows * (self.row_code_bytes(cols) + n * size + mins * 2)
+    }
+
+    /// Whether weights whose largest magnitude is `max_abs` stay finite in this format:
+    /// f16 codes, and the f16 scales and minimums of the blockwise formats, stop at
+    /// 65,504 (a group's step is at most 2 · 65,504 / 15); bf16 at its largest finite
+    /// value. For finite weights, what [`quantize`] refuses with
+    /// [`Error::Unrepresentable`] is exactly what this says does not hold, except for
+    /// `Int4Block`, where it is conservative (its minimum is a group's smallest value,
+    /// which may fit where the largest magnitude does not).
+    #[must_use]
+    pub fn holds(self, max_abs: f32) -> bool {
+        match self {
+            Self::F16 | Self::Nf4Block(_) | Self::Int4Block(_) => {
+                f16::from_f32(max_abs).is_finite()
+            }
+            Self::Bf16 => bf16::from_f32(max_abs).is_finite(),
+            Self::Int8 | Self::Int8Rows | Self::Nf4 => max_abs.is_finite(),
+        }
     }
 
     /// Stored bits a weight for rows of `cols` weights (codes, scales, minimums).
@@ -285,8 +317,9 @@ fn set_nibble(codes: &mut [u8], j: usize, q: u8) {
 ///
 /// # Errors
 /// [`Error::Shape`] when `w.len() != rows * cols` or a dimension is zero,
-/// [`Error::NonFinite`] for the first NaN or infinite weight, and [`Error::Shape`] when a
-/// blockwise group's range does not fit an f16 scale.
+/// [`Error::NonFinite`] for the first NaN or infinite weight, and
+/// [`Error::Unrepresentable`] for a finite weight the format would make infinite (f16
+/// past 65,504; a blockwise group whose scale or minimum does not fit f16).
 pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<Packed> {
     if rows == 0 || cols == 0 {
         return Err(Error::Shape(format!(
@@ -306,11 +339,55 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
             value,
         });
     }
+    let unrepresentable = |index: usize, value: f32, reason: String| Error::Unrepresentable {
+        format: format.to_string(),
+        index,
+        value,
+        reason,
+    };
+    // a finite weight must stay finite: f16 stops at 65,504, and bf16 rounds the very
+    // largest f32 values up to infinity
+    let half_overflow = |bits_finite: &dyn Fn(f32) -> bool| {
+        w.iter()
+            .position(|&v| !bits_finite(v))
+            .map(|i| (i, w.get(i).copied().unwrap_or(0.0)))
+    };
+    let overflow = match format {
+        Format::F16 => half_overflow(&|v| f16::from_f32(v).is_finite()),
+        Format::Bf16 => half_overflow(&|v| bf16::from_f32(v).is_finite()),
+        _ => None,
+    };
+    if let Some((i, v)) = overflow {
+        return Err(unrepresentable(
+            i,
+            v,
+            format!("it rounds to infinity in {format}"),
+        ));
+    }
     let rb = format.row_code_bytes(cols);
     let mut codes = vec![0u8; rows * rb];
     let mut scales = Vec::new();
     let mut mins = Vec::new();
-    for (row, out) in w.chunks_exact(cols).zip(codes.chunks_exact_mut(rb)) {
+    for (r, (row, out)) in w
+        .chunks_exact(cols)
+        .zip(codes.chunks_exact_mut(rb))
+        .enumerate()
+    {
+        // a group scale past f16's range: the group's largest weight, by flat index
+        let scale_err = |gi: usize, g: usize, group: &[f32]| {
+            // the first of the largest (max_by keeps the last, so from the end)
+            let (j, v) = group
+                .iter()
+                .enumerate()
+                .rev()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .map_or((0, 0.0), |(j, &v)| (j, v));
+            unrepresentable(
+                r * cols + gi * g + j,
+                v,
+                "its group's scale is past f16's range".into(),
+            )
+        };
         match format {
             Format::F16 => {
                 for (o, &v) in out.chunks_exact_mut(2).zip(row) {
@@ -350,7 +427,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
             Format::Nf4Block(g) => {
                 for (gi, group) in row.chunks(g.get()).enumerate() {
                     let absmax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let scale = f16_scale(absmax)?;
+                    let scale = f16_scale(absmax).ok_or_else(|| scale_err(gi, g.get(), group))?;
                     for (j, &v) in group.iter().enumerate() {
                         let q = if scale > 0.0 { nf4_index(v / scale) } else { 7 };
                         set_nibble(out, gi * g.get() + j, q);
@@ -362,11 +439,14 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
                 for (gi, group) in row.chunks(g.get()).enumerate() {
                     let lo = group.iter().fold(f32::INFINITY, |m, &v| m.min(v));
                     let hi = group.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    let min = f16_scale(lo.abs())?.copysign(lo);
+                    let min = f16_scale(lo.abs())
+                        .ok_or_else(|| scale_err(gi, g.get(), group))?
+                        .copysign(lo);
                     // a constant group (a one-weight tail group, say) has no step: every
                     // weight is the minimum, and requantizing gives the same codes
                     let step = if hi > lo {
-                        f16_scale((hi - min).max(0.0) / 15.0)?
+                        f16_scale((hi - min).max(0.0) / 15.0)
+                            .ok_or_else(|| scale_err(gi, g.get(), group))?
                     } else {
                         0.0
                     };
@@ -482,15 +562,10 @@ pub fn quantize_weighted(
 }
 
 /// A non-negative value rounded to f16, refusing what f16 cannot hold.
-fn f16_scale(v: f32) -> Result<f32> {
+/// `v` rounded to f16, or `None` past f16's range.
+fn f16_scale(v: f32) -> Option<f32> {
     let s = f16_round(v);
-    if s.is_finite() {
-        Ok(s)
-    } else {
-        Err(Error::Shape(format!(
-            "a group's range {v} does not fit an f16 scale"
-        )))
-    }
+    s.is_finite().then_some(s)
 }
 
 impl Packed {

@@ -59,6 +59,20 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// A finite weight the format cannot hold: it would become infinite (f16 past
+    /// 65,504, a group scale past f16's range). Keep such a tensor dense or in another
+    /// format.
+    #[error("weight {index} ({value}) does not fit {format}: {reason}")]
+    Unrepresentable {
+        /// The format's name.
+        format: String,
+        /// Flat index of the first such weight.
+        index: usize,
+        /// The weight.
+        value: f32,
+        /// What overflows.
+        reason: String,
+    },
     /// The shape does not fit the data, or is empty.
     #[error("bad shape: {0}")]
     Shape(String),

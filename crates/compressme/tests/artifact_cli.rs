@@ -334,3 +334,93 @@ fn profile_plan_pack_on_minilm() {
     assert!(!ok && err.contains("--reference"), "{err}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A checkpoint with a tensor of values around 1e6 (finite in f32, past f16's 65,504)
+/// and an empty `[0, 128]` tensor.
+fn range_checkpoint(path: &Path) -> (Vec<u8>, Vec<u8>) {
+    let big: Vec<u8> = (0..16 * 128)
+        .flat_map(|i| (1e6f32 + i as f32 * 37.0).to_le_bytes())
+        .collect();
+    let small: Vec<u8> = (0..16 * 128)
+        .flat_map(|i| ((i % 17) as f32 * 0.01 - 0.08).to_le_bytes())
+        .collect();
+    let empty: Vec<u8> = Vec::new();
+    let mut t = std::collections::HashMap::new();
+    fn view(d: &[u8], shape: Vec<usize>) -> safetensors::tensor::TensorView<'_> {
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, d).unwrap()
+    }
+    t.insert("big.weight".to_string(), view(&big, vec![16, 128]));
+    t.insert("small.weight".to_string(), view(&small, vec![16, 128]));
+    t.insert("empty.weight".to_string(), view(&empty, vec![0, 128]));
+    safetensors::serialize_to_file(&t, None, path).unwrap();
+    (big, small)
+}
+
+#[test]
+fn formats_that_cannot_hold_the_values_are_refused_and_empty_tensors_stay_dense() {
+    let d = tmp("range");
+    let input = d.join("in.safetensors");
+    let (big, _) = range_checkpoint(&input);
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let inp = input.to_str().unwrap();
+    // f16 would turn 1e6 into inf: refused by name, nothing written
+    let (ok, _, err) = run(&["pack", inp, "--format", "f16", "-o", &p("f16.cma")]);
+    assert!(!ok);
+    assert!(err.contains("tensor `big.weight`"), "{err}");
+    assert!(err.contains("does not fit f16"), "{err}");
+    assert!(err.contains("--keep-unrepresentable"), "{err}");
+    assert!(!d.join("f16.cma").exists());
+    // kept dense when asked: the big tensor comes back exact, the others as f16
+    let (ok, _, err) = run(&[
+        "pack",
+        inp,
+        "--format",
+        "f16",
+        "--keep-unrepresentable",
+        "-o",
+        &p("f16.cma"),
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("big.weight: kept dense"), "{err}");
+    let (ok, _, err) = run(&["unpack", &p("f16.cma"), "-o", &p("back.safetensors")]);
+    assert!(ok, "{err}");
+    let back = std::fs::read(d.join("back.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&back).unwrap();
+    assert!(st.tensor("big.weight").unwrap().data() == big.as_slice());
+    assert_eq!(st.tensor("empty.weight").unwrap().shape(), &[0, 128]);
+    let values: Vec<f32> = st
+        .tensor("small.weight")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(values.iter().all(|v| v.is_finite()));
+    // a blockwise format's f16 scale cannot hold it either; bf16 and int8 can
+    for (fmt, fits) in [
+        ("nf4-g64", false),
+        ("int4-g32", false),
+        ("bf16", true),
+        ("int8", true),
+    ] {
+        let out = p(&format!("{fmt}.cma"));
+        let (ok, _, err) = run(&["pack", inp, "--format", fmt, "-o", &out]);
+        assert_eq!(ok, fits, "{fmt}: {err}");
+        // the empty tensor never stops a pack: it is kept dense
+        if fits {
+            let (ok, json, err) = run(&["inspect", &out, "--json"]);
+            assert!(ok, "{err}");
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            let empty = v["tensors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|t| t["name"] == "empty.weight")
+                .unwrap();
+            assert_eq!(empty["storage"], "dense", "{fmt}");
+        }
+    }
+    let (ok, _, err) = run(&["pack", inp, "--lossless", "-o", &p("lossless.cma")]);
+    assert!(ok, "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

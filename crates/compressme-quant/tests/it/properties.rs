@@ -210,7 +210,29 @@ fn bad_input_is_an_error() {
     // a group range past f16
     assert!(matches!(
         quantize(&[1e6, -1e6], 1, 2, Format::Nf4Block(GroupSize::G32)),
-        Err(Error::Shape(_))
+        Err(Error::Unrepresentable { index: 0, .. })
+    ));
+    assert!(matches!(
+        quantize(
+            &[0.0, 1.0, 0.0, 1e6],
+            2,
+            2,
+            Format::Int4Block(GroupSize::G32)
+        ),
+        Err(Error::Unrepresentable { index: 3, .. })
+    ));
+    // finite weights f16 would make infinite, named by index; bf16 holds them
+    let e = quantize(&[1.0, 7e4, -1e6, 0.0], 2, 2, Format::F16).unwrap_err();
+    assert!(
+        matches!(e, Error::Unrepresentable { index: 1, value, .. } if value == 7e4),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("does not fit f16"), "{e}");
+    assert!(quantize(&[1.0, 7e4, -1e6, 0.0], 2, 2, Format::Bf16).is_ok());
+    assert!(quantize(&[65504.0, -65504.0], 1, 2, Format::F16).is_ok());
+    assert!(matches!(
+        quantize(&[f32::MAX, 0.0], 1, 2, Format::Bf16),
+        Err(Error::Unrepresentable { index: 0, .. })
     ));
     let q = quantize(&[1.0; 8], 2, 4, Format::Int8).unwrap();
     assert!(matches!(

@@ -36,6 +36,10 @@ pub(crate) struct PackArgs {
     /// A regular expression of tensor names --format leaves alone (e.g. 'lm_head|embed').
     #[arg(long)]
     pub(crate) keep: Option<String>,
+    /// Keep dense (and say so) a tensor whose values the chosen format cannot hold (a
+    /// finite weight f16 would make infinite, say), instead of refusing the checkpoint.
+    #[arg(long)]
+    pub(crate) keep_unrepresentable: bool,
     /// A plan JSON: {"version": 1, "modules": {"NAME": "nf4-g64" | "int8" | "lossless" | "dense", ...}}.
     #[arg(long)]
     pub(crate) plan: Option<PathBuf>,
@@ -289,8 +293,11 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     for (name, dtype, shape) in &entries {
         pb.set_message(name.clone());
         let bytes = ckpt.read(name)?;
-        let quantizable = dtype.is_float() && shape.len() >= 2;
+        // an empty tensor has nothing to quantize or code: it stays dense
+        let empty = shape.contains(&0);
+        let quantizable = dtype.is_float() && shape.len() >= 2 && !empty;
         let choice = match by_tensor.remove(name) {
+            Some(_) if empty => Choice::Dense,
             Some(c) => c,
             None => match format {
                 Some(f) if quantizable && !keep.as_ref().is_some_and(|k| k.is_match(name)) => {
@@ -310,15 +317,32 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                     .and_then(|p| p.modules.get(module))
                     .map(|m| m.channel_mean_sq().iter().map(|v| *v as f32).collect())
                     .unwrap_or_default();
-                w.add_quantized_weighted(name, *dtype, shape, &bytes, f, &importance)?
+                match w.add_quantized_weighted(name, *dtype, shape, &bytes, f, &importance) {
+                    Err(compressme::artifact::Error::Quant {
+                        source: e @ compressme::quant::Error::Unrepresentable { .. },
+                        ..
+                    }) => {
+                        if !a.keep_unrepresentable {
+                            bail!(
+                                "tensor `{name}`: {e} (--keep-unrepresentable keeps such tensors dense)"
+                            );
+                        }
+                        // printed even when the bar is hidden (not a terminal)
+                        pb.suspend(|| eprintln!("{name}: kept dense ({e})"));
+                        w.add_dense(name, *dtype, shape, &bytes)?
+                    }
+                    r => r?,
+                }
             }
         };
         tracing::debug!(tensor = %name, storage = %added.storage, dense = added.dense_bytes, stored = added.stored_bytes);
         if added.kept_dense && !a.json {
-            pb.println(format!(
-                "{name}: kept dense ({} bytes; lossless blocks would not be smaller)",
-                added.dense_bytes
-            ));
+            pb.suspend(|| {
+                eprintln!(
+                    "{name}: kept dense ({} bytes; lossless blocks would not be smaller)",
+                    added.dense_bytes
+                );
+            });
         }
         report.push(added);
         pb.inc(dense_len(*dtype, shape));
