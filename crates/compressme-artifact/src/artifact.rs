@@ -708,9 +708,10 @@ impl Artifact {
         Ok(to_f32(e.dtype, &bytes))
     }
 
-    /// Reads tensor `name` as stored. Lossless blocks are verified against their
-    /// digests and against the recipe's block digests; packed buffers are checked
-    /// against their format.
+    /// Reads tensor `name` as stored, verified: dense bytes against the recipe's
+    /// whole-tensor SHA-256; lossless blocks against their digests and against the
+    /// recipe's block digests (the same block size and count); packed buffers against
+    /// the recipe's payload digest and their format.
     ///
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Digest`] naming the block, [`Error::Blocks`],
@@ -721,10 +722,17 @@ impl Artifact {
             .cloned()
             .ok_or_else(|| Error::MissingTensor(name.into()))?;
         match &t.storage {
-            StorageRecipe::Dense => Ok(Stored::Dense(self.read_entry(name)?)),
+            StorageRecipe::Dense => {
+                // a dense tensor's only seal is its whole-tensor digest: checked on every
+                // read, as lossless blocks are
+                let bytes = self.read_entry(name)?;
+                self.check_whole(name, &bytes)?;
+                Ok(Stored::Dense(bytes))
+            }
             StorageRecipe::Lossless {
                 rows,
                 row_bytes,
+                block_rows,
                 block_sha256,
                 ..
             } => {
@@ -734,9 +742,12 @@ impl Artifact {
                     source,
                 })?;
                 let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
+                // every recipe digest pairs with one block: the same block size and count
                 if store.rows() != *rows
                     || store.row_bytes() as u64 != *row_bytes
                     || store.kind() != value_kind(dtype)
+                    || store.block_rows() != *block_rows
+                    || store.num_blocks() != block_sha256.len()
                 {
                     return Err(Error::Invalid {
                         tensor: name.into(),
@@ -792,8 +803,13 @@ impl Artifact {
     /// # Errors
     /// As [`Artifact::read_stored`], and [`Error::Digest`] for a whole-tensor mismatch.
     pub fn read_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
+        let lossless = matches!(
+            self.tensor(name).map(|t| &t.storage),
+            Some(StorageRecipe::Lossless { .. })
+        );
         let (bytes, exact) = self.decode_tensor(name)?;
-        if exact {
+        // dense bytes were checked as they were read
+        if exact && lossless {
             self.check_whole(name, &bytes)?;
         }
         Ok((bytes, exact))
@@ -1135,10 +1151,11 @@ fn check_tensor(
                 return Err(format!("tensor `{n}`: lossless storage needs a SHA-256"));
             }
             // a block store is at most its dense bytes plus per-block overhead
+            let es = *element_size as u64;
             let bound = dense_len
-                + 4096
-                + blocks * (36 + 16 + 8 * *element_size as u64)
-                + 2048 * *element_size as u64;
+                .saturating_add(4096)
+                .saturating_add(blocks.saturating_mul(es.saturating_mul(8).saturating_add(52)))
+                .saturating_add(es.saturating_mul(2048));
             if e.len() > bound {
                 return Err(format!(
                     "tensor `{n}`: {} bytes of blocks for {dense_len} dense",
@@ -1167,7 +1184,7 @@ fn check_tensor(
                 ));
             }
             let codes = entry(&codes_name(n), Some(Dtype::U8))?;
-            if codes.len() != (*rows as u64) * f.row_code_bytes(*cols) as u64 {
+            if (*rows as u64).checked_mul(f.row_code_bytes(*cols) as u64) != Some(codes.len()) {
                 return Err(format!(
                     "tensor `{n}`: {} code bytes for {rows} x {cols} {f}",
                     codes.len()
@@ -1179,11 +1196,18 @@ fn check_tensor(
                 None if matches!(f, Format::F16 | Format::Bf16) => (0, false),
                 None => (1, false),
             };
-            let want = (*rows as u64) * per_row as u64;
+            let want = (*rows as u64)
+                .checked_mul(per_row as u64)
+                .ok_or(format!("tensor `{n}`: {rows} x {per_row} scales overflow"))?;
+            let count = |e: &Entry| {
+                e.shape
+                    .iter()
+                    .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+            };
             let sdt = if group { Dtype::F16 } else { Dtype::F32 };
             if want > 0 {
                 let s = entry(&scales_name(n), Some(sdt))?;
-                if s.shape.iter().product::<usize>() as u64 != want {
+                if count(&s) != Some(want) {
                     return Err(format!(
                         "tensor `{n}`: {:?} scales, expected {want}",
                         s.shape
@@ -1193,7 +1217,7 @@ fn check_tensor(
             }
             if matches!(f, Format::Int4Block(_)) {
                 let m = entry(&mins_name(n), Some(Dtype::F16))?;
-                if m.shape.iter().product::<usize>() as u64 != want {
+                if count(&m) != Some(want) {
                     return Err(format!(
                         "tensor `{n}`: {:?} minimums, expected {want}",
                         m.shape

@@ -396,3 +396,181 @@ fn sharded_checkpoints_read_through_their_index() {
     assert!(Checkpoint::open(&d.join("empty.index.json"), &Limits::default()).is_err());
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Rewrites the recipe of the artifact at `src` into `dst` with `edit`, sealed again (a
+/// correct recipe digest), payload unchanged: what a hostile writer can do.
+fn reseal(src: &Path, dst: &Path, edit: impl Fn(&mut compressme_artifact::Recipe)) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let md = header["__metadata__"].as_object_mut().unwrap();
+    let mut recipe: compressme_artifact::Recipe =
+        serde_json::from_str(md["compressme.recipe"].as_str().unwrap()).unwrap();
+    edit(&mut recipe);
+    let json = serde_json::to_string(&recipe).unwrap();
+    md.insert(
+        "compressme.recipe_sha256".into(),
+        compressme_artifact::recipe::sha256_hex(json.as_bytes()).into(),
+    );
+    md.insert("compressme.recipe".into(), json.into());
+    let mut h = serde_json::to_vec(&header).unwrap();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(dst, out).unwrap();
+}
+
+/// Sizes read from a file at the extremes of their types are refused as errors, not
+/// overflows (this test runs in the debug profile, where an overflow panics).
+#[test]
+fn extreme_sizes_are_errors_not_overflows() {
+    use compressme_artifact::StorageRecipe;
+    let d = tmp("extreme");
+    let good = d.join("good.cma");
+    write_sample(&good);
+    let bad = d.join("bad.cma");
+    let a = Artifact::open(&good, &Limits::default()).unwrap();
+    let quant = a
+        .recipe()
+        .tensors
+        .iter()
+        .find(|t| matches!(t.storage, StorageRecipe::Quant { .. }))
+        .unwrap()
+        .name
+        .clone();
+    let lossless = a
+        .recipe()
+        .tensors
+        .iter()
+        .find(|t| matches!(t.storage, StorageRecipe::Lossless { .. }))
+        .unwrap()
+        .name
+        .clone();
+    let dense = a
+        .recipe()
+        .tensors
+        .iter()
+        .find(|t| matches!(t.storage, StorageRecipe::Dense))
+        .unwrap()
+        .name
+        .clone();
+    let big = [1usize << 61, (1 << 62) + 1, usize::MAX / 2, usize::MAX];
+    for cols in big {
+        for format in ["f16", "int8", "nf4", "nf4-g32", "int4-g128"] {
+            // a quantized tensor claiming `cols` near the top of usize
+            reseal(&good, &bad, |r| {
+                let t = r.tensors.iter_mut().find(|t| t.name == quant).unwrap();
+                t.shape = vec![1, cols];
+                if let StorageRecipe::Quant {
+                    rows,
+                    cols: c,
+                    format: f,
+                    ..
+                } = &mut t.storage
+                {
+                    *rows = 1;
+                    *c = cols;
+                    *f = format.into();
+                }
+            });
+            let e = check(&bad, &Limits::default());
+            assert!(
+                matches!(e, Err(Error::Recipe { .. })),
+                "{format} {cols}: {e:?}"
+            );
+        }
+        // a shape whose element count overflows, on each kind of storage
+        for name in [&quant, &lossless, &dense] {
+            reseal(&good, &bad, |r| {
+                let t = r.tensors.iter_mut().find(|t| &t.name == name).unwrap();
+                t.shape = vec![cols, cols];
+            });
+            assert!(check(&bad, &Limits::default()).is_err(), "{name} {cols}");
+        }
+        // a lossless tensor claiming huge rows or blocks
+        reseal(&good, &bad, |r| {
+            let t = r.tensors.iter_mut().find(|t| t.name == lossless).unwrap();
+            if let StorageRecipe::Lossless {
+                rows,
+                block_rows,
+                row_bytes,
+                ..
+            } = &mut t.storage
+            {
+                *rows = cols as u64;
+                *block_rows = cols;
+                *row_bytes = u64::MAX;
+            }
+        });
+        assert!(check(&bad, &Limits::default()).is_err(), "lossless {cols}");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A recipe whose block size disagrees with the store's, with digests that still pair
+/// up, is refused (the digests are paired only when their counts agree); a dense
+/// tensor whose bytes differ from its digest is refused when it is read, not only by
+/// `verify`.
+#[test]
+fn every_read_checks_what_it_pairs() {
+    use compressme_artifact::{StorageRecipe, Stored};
+    let d = tmp("pairs");
+    let good = d.join("good.cma");
+    write_sample(&good);
+    let bad = d.join("bad.cma");
+    let a = Artifact::open(&good, &Limits::default()).unwrap();
+    let (lossless, br, rows, digests) = a
+        .recipe()
+        .tensors
+        .iter()
+        .find_map(|t| match &t.storage {
+            StorageRecipe::Lossless {
+                block_rows,
+                rows,
+                block_sha256,
+                ..
+            } if block_sha256.len() >= 2 => {
+                Some((t.name.clone(), *block_rows, *rows, block_sha256.clone()))
+            }
+            _ => None,
+        })
+        .unwrap();
+    // twice the block size: half the blocks; the first digests kept, so a zip pairs them
+    reseal(&good, &bad, |r| {
+        let t = r.tensors.iter_mut().find(|t| t.name == lossless).unwrap();
+        if let StorageRecipe::Lossless {
+            block_rows,
+            block_sha256,
+            ..
+        } = &mut t.storage
+        {
+            *block_rows = 2 * br;
+            *block_sha256 = digests[..rows.div_ceil(2 * br as u64) as usize].to_vec();
+        }
+    });
+    let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+    let e = b.read_stored(&lossless).map(|_| ());
+    assert!(matches!(e, Err(Error::Invalid { .. })), "{e:?}");
+    // a dense tensor's digest replaced: reading it fails, naming it
+    let dense = a
+        .recipe()
+        .tensors
+        .iter()
+        .find(|t| matches!(t.storage, StorageRecipe::Dense))
+        .unwrap()
+        .name
+        .clone();
+    reseal(&good, &bad, |r| {
+        let t = r.tensors.iter_mut().find(|t| t.name == dense).unwrap();
+        t.sha256 = Some("ab".repeat(32));
+    });
+    let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+    let e = b.read_stored(&dense).map(|_| ());
+    assert!(matches!(e, Err(Error::Digest { .. })), "{e:?}");
+    let mut g = Artifact::open(&good, &Limits::default()).unwrap();
+    assert!(matches!(g.read_stored(&dense), Ok(Stored::Dense(_))));
+    std::fs::remove_dir_all(&d).unwrap();
+}

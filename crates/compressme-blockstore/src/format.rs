@@ -230,7 +230,11 @@ impl BlockStore {
         }
         let nb = num_blocks(rows, block_rows);
         // cap before allocating: the index alone needs 36 bytes per block
-        if nb.checked_mul(36).is_none_or(|need| need + 32 > r.left()) {
+        if nb
+            .checked_mul(36)
+            .and_then(|need| need.checked_add(32))
+            .is_none_or(|need| need > r.left())
+        {
             return Err(Error::Malformed(format!(
                 "{nb} blocks need an index of {} bytes, {} left",
                 nb.saturating_mul(36),

@@ -122,7 +122,9 @@ impl Format {
     /// Bytes of codes for one row of `cols` weights (an odd 4-bit row ends in half a byte).
     #[must_use]
     pub const fn row_code_bytes(self, cols: usize) -> usize {
-        (cols * self.code_bits()).div_ceil(8)
+        // saturating: a size read from a file must not overflow (it is then refused as
+        // not matching the bytes present)
+        cols.saturating_mul(self.code_bits()).div_ceil(8)
     }
 
     /// Scales (and minimums) kept per row, and bytes each.
@@ -140,7 +142,11 @@ impl Format {
     #[must_use]
     pub const fn stored_bytes(self, rows: usize, cols: usize) -> usize {
         let (n, size, mins) = self.row_params(cols);
-        rows * (self.row_code_bytes(cols) + n * size + mins * 2)
+        rows.saturating_mul(
+            self.row_code_bytes(cols)
+                .saturating_add(n.saturating_mul(size))
+                .saturating_add(mins.saturating_mul(2)),
+        )
     }
 
     /// Whether weights whose largest magnitude is `max_abs` stay finite in this format:
@@ -165,7 +171,10 @@ impl Format {
     #[must_use]
     pub fn bits_per_weight(self, cols: usize) -> f64 {
         let (n, size, mins) = self.row_params(cols);
-        let bytes = self.row_code_bytes(cols) + n * size + mins * 2;
+        let bytes = self
+            .row_code_bytes(cols)
+            .saturating_add(n.saturating_mul(size))
+            .saturating_add(mins.saturating_mul(2));
         8.0 * bytes as f64 / cols.max(1) as f64
     }
 }
