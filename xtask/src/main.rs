@@ -16,8 +16,11 @@
 //! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
 //! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
 //!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
+//! - `fuzz [--seconds N] [--targets a,b]`: every parser under cargo-fuzz (nightly), N
+//!   seconds a target (default 600), seeded from the frozen fixtures; fails on a crash.
 //! - `tidy`: the crate graph and crate-doc checks (also run by `cargo test`).
 
+mod fuzz;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -96,8 +99,9 @@ fn main() -> ExitCode {
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
         Some("bench-lossless") => bench_lossless(),
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
+        Some("fuzz") => fuzz::fuzz(&root(), args.get(1..).unwrap_or(&[])),
         _ => Err(
-            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | tidy>"
+            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | fuzz [--seconds N] [--targets a,b] | tidy>"
                 .to_string(),
         ),
     };
@@ -366,8 +370,9 @@ fn spec_check(args: &[String]) -> Result<(), String> {
         }
         run(&mut cmd)
     };
-    let cases: [&[&str]; 5] = [
+    let cases: [&[&str]; 6] = [
         &["--lossless"],
+        &["--lossless", "--row-index"],
         &["--lossless", "--zstd-level", "3"],
         &["--lossless", "--format", "nf4-g32", "--keep", "embeddings"],
         &["--format", "int4-g64"],

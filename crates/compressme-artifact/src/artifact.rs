@@ -221,6 +221,26 @@ impl Writer {
         block_rows: usize,
         coder: Coder,
     ) -> Result<Added> {
+        self.add_lossless_indexed(name, dtype, shape, bytes, block_rows, coder, false)
+    }
+
+    /// [`Writer::add_lossless`], with Huffman-coded planes row-indexed when `row_index`
+    /// (plane mode 32 + t: a lookup decodes only the rows it asks for, for a few tenths
+    /// of a percent more bytes).
+    ///
+    /// # Errors
+    /// As [`Writer::add_lossless`].
+    #[allow(clippy::too_many_arguments)] // add_lossless's, and the one option it adds
+    pub fn add_lossless_indexed(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        block_rows: usize,
+        coder: Coder,
+        row_index: bool,
+    ) -> Result<Added> {
         Self::check_size(name, dtype, shape, bytes)?;
         let (rows, row_bytes) = row_view(dtype, shape);
         if bytes.is_empty() {
@@ -229,7 +249,10 @@ impl Writer {
             return Ok(a);
         }
         let kind = value_kind(dtype);
-        let opts = EncodeOptions::new(kind).block_rows(block_rows).coder(coder);
+        let opts = EncodeOptions::new(kind)
+            .block_rows(block_rows)
+            .coder(coder)
+            .row_index(row_index);
         let store =
             BlockStore::encode(bytes, rows, row_bytes as usize, &opts).map_err(|source| {
                 Error::Blocks {
@@ -267,7 +290,7 @@ impl Writer {
                     Coder::Zstd { level } => format!("zstd-{level}"),
                     _ => "huffman".into(),
                 },
-                row_index: false,
+                row_index,
                 element_size: dtype.size(),
                 block_sha256: store.block_digests().iter().map(|d| hex(d)).collect(),
             },
@@ -623,12 +646,26 @@ impl Artifact {
                 recipe.format, recipe.version
             )));
         }
+        if !file.header_padded() {
+            return Err(not(
+                "the header is not padded with spaces to a multiple of 8 bytes",
+            ));
+        }
         let mut used = HashSet::new();
         let mut seen = HashSet::new();
+        let mut previous: Option<&str> = None;
         for t in &recipe.tensors {
             if !seen.insert(t.name.as_str()) {
                 return Err(bad(format!("tensor `{}` listed twice", t.name)));
             }
+            if previous.is_some_and(|p| p > t.name.as_str()) {
+                return Err(bad(format!(
+                    "tensors are not sorted by name (`{}` after `{}`)",
+                    t.name,
+                    previous.unwrap_or_default()
+                )));
+            }
+            previous = Some(t.name.as_str());
             check_tensor(&file, t, &mut used).map_err(bad)?;
         }
         if let Some(stray) = file.entries().iter().find(|e| !used.contains(&e.name)) {
@@ -1095,6 +1132,13 @@ fn check_tensor(
         let e = file
             .entry(name)
             .ok_or(format!("tensor `{n}`: payload `{name}` is missing"))?;
+        // payload tensors (all but a dense tensor's own) are one-dimensional
+        if name != n && e.shape.len() != 1 {
+            return Err(format!(
+                "payload `{name}` has shape {:?}, not one dimension",
+                e.shape
+            ));
+        }
         if let Some(d) = want
             && e.dtype != d
         {
@@ -1172,6 +1216,11 @@ fn check_tensor(
         } => {
             if !hex_ok(payload_sha256) {
                 return Err(format!("tensor `{n}`: no payload SHA-256"));
+            }
+            if t.sha256.is_some() {
+                return Err(format!(
+                    "tensor `{n}`: a quantized tensor has no whole-tensor sha256 (its payload_sha256 seals it)"
+                ));
             }
             let f = Format::parse(format).map_err(|e| format!("tensor `{n}`: {e}"))?;
             if !dtype.is_float()

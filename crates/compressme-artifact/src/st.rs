@@ -182,6 +182,83 @@ pub struct SafetensorsFile {
     data_start: u64,
     entries: Vec<Entry>,
     metadata: BTreeMap<String, String>,
+    padded: bool,
+}
+
+/// A safetensors header read strictly: its keys in order, `__metadata__` apart (an
+/// object of strings), and an error for any key given twice (serde_json's own maps keep
+/// the last silently, which would let a file say two things about one tensor).
+struct StrictHeader {
+    entries: Vec<(String, Value)>,
+    metadata: Option<Vec<(String, Value)>>,
+}
+
+/// A JSON object whose keys must be unique.
+struct StrictObject(Vec<(String, Value)>);
+
+fn strict_map<'de, A: serde::de::MapAccess<'de>, T>(
+    mut m: A,
+    mut each: impl FnMut(&str, &mut A) -> std::result::Result<Option<T>, A::Error>,
+) -> std::result::Result<Vec<(String, T)>, A::Error> {
+    use serde::de::Error as _;
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    while let Some(k) = m.next_key::<String>()? {
+        if !seen.insert(k.clone()) {
+            return Err(A::Error::custom(format!("key `{k}` appears twice")));
+        }
+        if let Some(v) = each(&k, &mut m)? {
+            out.push((k, v));
+        }
+    }
+    Ok(out)
+}
+
+impl<'de> serde::Deserialize<'de> for StrictObject {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = StrictObject;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                m: A,
+            ) -> std::result::Result<StrictObject, A::Error> {
+                strict_map(m, |_, m| m.next_value::<Value>().map(Some)).map(StrictObject)
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for StrictHeader {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = StrictHeader;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                m: A,
+            ) -> std::result::Result<StrictHeader, A::Error> {
+                let mut metadata = None;
+                let entries = strict_map(m, |k, m| {
+                    if k == "__metadata__" {
+                        metadata = Some(m.next_value::<StrictObject>()?.0);
+                        Ok(None)
+                    } else {
+                        m.next_value::<Value>().map(Some)
+                    }
+                })?;
+                Ok(StrictHeader { entries, metadata })
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 fn bad(path: &Path, reason: impl Into<String>) -> Error {
@@ -235,32 +312,30 @@ impl SafetensorsFile {
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header).map_err(io(path))?;
-        let json: Map<String, Value> = serde_json::from_slice(&header)
+        let json: StrictHeader = serde_json::from_slice(&header)
             .map_err(|e| bad(path, format!("header is not a JSON object: {e}")))?;
-        if json.len() > limits.max_tensors.saturating_add(1) {
+        // padded as compressme writes it: spaces only after the object, to a multiple of 8
+        let body_end = header.iter().rposition(|&b| b != b' ').map_or(0, |i| i + 1);
+        let padded =
+            n.is_multiple_of(8) && header.get(..body_end).is_some_and(|h| h.ends_with(b"}"));
+        if json.entries.len() > limits.max_tensors {
             return Err(Error::TooLarge {
                 path: path.to_path_buf(),
                 what: "the tensor count".into(),
-                got: json.len() as u64,
+                got: json.entries.len() as u64,
                 limit: limits.max_tensors as u64,
             });
         }
         let data_len = size - 8 - n;
         let mut metadata = BTreeMap::new();
-        let mut entries = Vec::with_capacity(json.len());
-        for (name, v) in json {
-            if name == "__metadata__" {
-                let m = v
-                    .as_object()
-                    .ok_or_else(|| bad(path, "__metadata__ is not an object"))?;
-                for (k, v) in m {
-                    let s = v
-                        .as_str()
-                        .ok_or_else(|| bad(path, format!("metadata `{k}` is not a string")))?;
-                    metadata.insert(k.clone(), s.to_string());
-                }
-                continue;
-            }
+        for (k, v) in json.metadata.unwrap_or_default() {
+            let s = v
+                .as_str()
+                .ok_or_else(|| bad(path, format!("metadata `{k}` is not a string")))?;
+            metadata.insert(k, s.to_string());
+        }
+        let mut entries = Vec::with_capacity(json.entries.len());
+        for (name, v) in json.entries {
             entries.push(parse_entry(path, name, &v, limits, data_len)?);
         }
         entries.sort_by_key(|e| (e.begin, e.end));
@@ -289,7 +364,15 @@ impl SafetensorsFile {
             data_start: 8 + n,
             entries,
             metadata,
+            padded,
         })
+    }
+
+    /// Whether the header is padded as compressme writes it: `N` a multiple of 8, and
+    /// only spaces (0x20) after the JSON object (an artifact reader requires it).
+    #[must_use]
+    pub fn header_padded(&self) -> bool {
+        self.padded
     }
 
     /// The file's path.

@@ -574,3 +574,97 @@ fn every_read_checks_what_it_pairs() {
     assert!(matches!(g.read_stored(&dense), Ok(Stored::Dense(_))));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Rewrites the safetensors header of `src` into `dst` with `edit` on its text (the
+/// data section unchanged), the length field set to the new text's length.
+fn rewrite_header(src: &Path, dst: &Path, edit: impl Fn(&str) -> String) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let text = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    let h = edit(text);
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(h.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(dst, out).unwrap();
+}
+
+/// Pads header text with spaces to a multiple of 8.
+fn pad8(mut h: String) -> String {
+    while h.len() % 8 != 0 {
+        h.push(' ');
+    }
+    h
+}
+
+/// What FORMAT.md says a reader MUST refuse, each refused: a key given twice, a header
+/// not padded with spaces to 8, tensors out of order, a whole-tensor digest on a
+/// quantized tensor, a payload tensor of two dimensions.
+#[test]
+fn the_specs_musts_are_enforced() {
+    use compressme_artifact::StorageRecipe;
+    let d = tmp("musts");
+    let good = d.join("good.cma");
+    write_sample(&good);
+    let bad = d.join("bad.cma");
+    let refused = |what: &str| {
+        let e = check(&bad, &Limits::default());
+        assert!(e.is_err(), "{what} was accepted");
+        e.unwrap_err().to_string()
+    };
+    // the good file passes through the helpers unchanged
+    rewrite_header(&good, &bad, |h| h.to_string());
+    check(&bad, &Limits::default()).unwrap();
+    reseal(&good, &bad, |_| {});
+    check(&bad, &Limits::default()).unwrap();
+
+    rewrite_header(&good, &bad, |h| {
+        pad8(
+            h.trim_end()
+                .replacen('{', r#"{"__metadata__":{"format":"x"},"#, 1),
+        )
+    });
+    assert!(refused("a duplicate key").contains("appears twice"));
+    rewrite_header(&good, &bad, |h| {
+        let body = h.trim_end();
+        // a payload tensor's entry (no nested objects) given again at the front
+        let start = body.find("\"cm.").unwrap();
+        let end = start + body[start..].find('}').unwrap() + 1;
+        pad8(format!("{{{},{}", &body[start..end], &body[1..]))
+    });
+    assert!(refused("a tensor given twice").contains("appears twice"));
+    rewrite_header(&good, &bad, |h| {
+        let mut t = h.trim_end().to_string();
+        t.push('\n');
+        while t.len() % 8 != 0 {
+            t.push(' ');
+        }
+        t
+    });
+    assert!(refused("a newline in the padding").contains("padded"));
+    rewrite_header(&good, &bad, |h| {
+        let mut t = h.trim_end().to_string();
+        if t.len() % 8 == 0 {
+            t.push(' ');
+        }
+        t
+    });
+    assert!(refused("a header not a multiple of 8").contains("padded"));
+    reseal(&good, &bad, |r| r.tensors.reverse());
+    assert!(refused("unsorted tensors").contains("sorted"));
+    reseal(&good, &bad, |r| {
+        let t = r
+            .tensors
+            .iter_mut()
+            .find(|t| matches!(t.storage, StorageRecipe::Quant { .. }))
+            .unwrap();
+        t.sha256 = Some("ab".repeat(32));
+    });
+    assert!(refused("a digest on a quantized tensor").contains("no whole-tensor sha256"));
+    rewrite_header(&good, &bad, |h| {
+        let at = h.find("\"cm.codes/").unwrap();
+        let shape = at + h[at..].find("\"shape\":[").unwrap() + "\"shape\":[".len();
+        pad8(format!("{}1,{}", &h[..shape], h[shape..].trim_end()))
+    });
+    assert!(refused("a two-dimensional payload").contains("one dimension"));
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -47,7 +47,8 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
-/// Reads a LEB128 value of at most 4 bytes (< 2^28, more than any block holds).
+/// Reads a LEB128 value of at most 4 bytes (< 2^28, more than any block holds), in its
+/// minimal encoding (no final zero byte after a continuation).
 pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {
     let mut v = 0usize;
     for i in 0..4 {
@@ -57,6 +58,10 @@ pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {
         *pos += 1;
         v |= usize::from(b & 0x7f) << (7 * i);
         if b & 0x80 == 0 {
+            // minimal: a last byte of zero after others adds nothing
+            if i > 0 && b == 0 {
+                return Err(Error::Malformed("LEB128 length is not minimal".into()));
+            }
             return Ok(v);
         }
     }
@@ -351,5 +356,25 @@ impl BlockStore {
         if let Some(b) = self.payload.get_mut(index) {
             *b ^= 0x5a;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::get_varint;
+
+    #[test]
+    fn leb128_is_minimal_and_at_most_4_bytes() {
+        let read = |b: &[u8]| get_varint(b, &mut 0);
+        assert_eq!(read(&[0x00]).ok(), Some(0));
+        assert_eq!(read(&[0x7f]).ok(), Some(127));
+        assert_eq!(read(&[0x80, 0x01]).ok(), Some(128));
+        assert_eq!(read(&[0xff, 0xff, 0xff, 0x7f]).ok(), Some((1 << 28) - 1));
+        // the same values padded with zero groups are refused
+        assert!(read(&[0x80, 0x00]).is_err());
+        assert!(read(&[0xff, 0x80, 0x80, 0x00]).is_err());
+        // five bytes, and a value that runs off the end
+        assert!(read(&[0x80, 0x80, 0x80, 0x80, 0x01]).is_err());
+        assert!(read(&[0x80]).is_err());
     }
 }

@@ -234,6 +234,25 @@ fn bad_input_is_an_error() {
         quantize(&[f32::MAX, 0.0], 1, 2, Format::Bf16),
         Err(Error::Unrepresentable { index: 0, .. })
     ));
+    // an odd 4-bit row's spare nibble must be zero
+    let ok = Packed::from_parts(
+        Format::Nf4,
+        2,
+        3,
+        vec![0x12, 0x03, 0x45, 0x06],
+        vec![1.0; 2],
+        vec![],
+    );
+    assert!(ok.is_ok());
+    let spare = Packed::from_parts(
+        Format::Nf4,
+        2,
+        3,
+        vec![0x12, 0x03, 0x45, 0x16],
+        vec![1.0; 2],
+        vec![],
+    );
+    assert!(matches!(spare, Err(Error::Malformed(m)) if m.contains("row 1")));
     let q = quantize(&[1.0; 8], 2, 4, Format::Int8).unwrap();
     assert!(matches!(
         q.dequantize_rows(&[2]),

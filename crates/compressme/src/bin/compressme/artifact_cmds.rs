@@ -40,6 +40,10 @@ pub(crate) struct PackArgs {
     /// finite weight f16 would make infinite, say), instead of refusing the checkpoint.
     #[arg(long)]
     pub(crate) keep_unrepresentable: bool,
+    /// Lossless tensors' Huffman planes get a per-row index (plane mode 32 + t), so a
+    /// lookup decodes only the rows it asks for, for a few tenths of a percent more bytes.
+    #[arg(long)]
+    pub(crate) row_index: bool,
     /// A plan JSON: {"version": 1, "modules": {"NAME": "nf4-g64" | "int8" | "lossless" | "dense", ...}}.
     #[arg(long)]
     pub(crate) plan: Option<PathBuf>,
@@ -309,7 +313,15 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         };
         let added = match choice {
             Choice::Dense => w.add_dense(name, *dtype, shape, &bytes)?,
-            Choice::Lossless => w.add_lossless(name, *dtype, shape, &bytes, a.block_rows, coder)?,
+            Choice::Lossless => w.add_lossless_indexed(
+                name,
+                *dtype,
+                shape,
+                &bytes,
+                a.block_rows,
+                coder,
+                a.row_index,
+            )?,
             Choice::Quant(f) => {
                 let module = name.strip_suffix(".weight").unwrap_or(name);
                 let importance: Vec<f32> = profile
@@ -336,7 +348,8 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
             }
         };
         tracing::debug!(tensor = %name, storage = %added.storage, dense = added.dense_bytes, stored = added.stored_bytes);
-        if added.kept_dense && !a.json {
+        if added.kept_dense && !a.json && added.dense_bytes >= 1 << 20 {
+            // said for tensors that matter; small ones are counted at the end
             pb.suspend(|| {
                 eprintln!(
                     "{name}: kept dense ({} bytes; lossless blocks would not be smaller)",
