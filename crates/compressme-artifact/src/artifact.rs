@@ -679,7 +679,7 @@ impl Artifact {
             file,
             recipe,
             file_bytes,
-            limits: limits.clone(),
+            limits: *limits,
         })
     }
 
@@ -987,7 +987,7 @@ impl Artifact {
             file: SafetensorsFile::open(self.file.path(), &self.limits)?,
             recipe: self.recipe.clone(),
             file_bytes: self.file_bytes,
-            limits: self.limits.clone(),
+            limits: self.limits,
         };
         let mut s = Summary {
             file_bytes: self.file_bytes,

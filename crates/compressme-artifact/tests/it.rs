@@ -414,7 +414,7 @@ fn reseal(src: &Path, dst: &Path, edit: impl Fn(&mut compressme_artifact::Recipe
     );
     md.insert("compressme.recipe".into(), json.into());
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -590,7 +590,7 @@ fn rewrite_header(src: &Path, dst: &Path, edit: impl Fn(&str) -> String) {
 
 /// Pads header text with spaces to a multiple of 8.
 fn pad8(mut h: String) -> String {
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(' ');
     }
     h
@@ -635,7 +635,7 @@ fn the_specs_musts_are_enforced() {
     rewrite_header(&good, &bad, |h| {
         let mut t = h.trim_end().to_string();
         t.push('\n');
-        while t.len() % 8 != 0 {
+        while !t.len().is_multiple_of(8) {
             t.push(' ');
         }
         t
@@ -643,7 +643,7 @@ fn the_specs_musts_are_enforced() {
     assert!(refused("a newline in the padding").contains("padded"));
     rewrite_header(&good, &bad, |h| {
         let mut t = h.trim_end().to_string();
-        if t.len() % 8 == 0 {
+        if t.len().is_multiple_of(8) {
             t.push(' ');
         }
         t

@@ -611,15 +611,16 @@ impl Packed {
         }
         // a 4-bit row of odd length ends in half a byte: its spare high nibble is zero
         let rb = format.row_code_bytes(cols);
-        if format.code_bits() == 4 && cols % 2 == 1 && rb > 0 {
-            if let Some(r) = codes
+        if format.code_bits() == 4
+            && cols % 2 == 1
+            && rb > 0
+            && let Some(r) = codes
                 .chunks_exact(rb)
                 .position(|row| row.last().is_some_and(|b| b >> 4 != 0))
-            {
-                return Err(Error::Malformed(format!(
-                    "row {r}: the spare nibble after its last code is not zero"
-                )));
-            }
+        {
+            return Err(Error::Malformed(format!(
+                "row {r}: the spare nibble after its last code is not zero"
+            )));
         }
         Ok(Self {
             format,

@@ -7,6 +7,7 @@
 // one call to getrusage, for the children's peak memory (std has no safe way to read it)
 #![allow(unsafe_code)]
 
+#[allow(dead_code)] // each test binary uses part of the shared helpers
 mod common;
 
 use std::collections::BTreeMap;
@@ -14,10 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::run;
-#[allow(dead_code)] // `root` is for the other CLI tests
-fn _uses_root() -> PathBuf {
-    common::root()
-}
+
 use compressme::artifact::recipe::{
     FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe, TensorRecipe,
     VERSION, VERSION_KEY, sha256_hex,

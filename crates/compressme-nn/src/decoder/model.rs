@@ -732,8 +732,8 @@ impl Decoder {
     /// The output head on final hidden states `[.., hidden]`.
     fn head_logits(&self, x: &Tensor) -> Result<Tensor> {
         match (&self.head, &self.tokens) {
-            (Some(h), _) => h.forward(&x),
-            (None, Tokens::Tied(l)) => l.forward(&x),
+            (Some(h), _) => h.forward(x),
+            (None, Tokens::Tied(l)) => l.forward(x),
             (None, Tokens::Table(e)) => Err(Error::BadStorage {
                 module: e.name().to_string(),
                 reason: "an untied model without an output head".into(),

@@ -492,7 +492,7 @@ pub(crate) fn inspect(artifact: &Path, json: bool, limits: &Limits) -> Result<()
         max_decoded_tensor: u64::MAX,
         max_decoded_total: u64::MAX,
         max_expansion: u64::MAX,
-        ..limits.clone()
+        ..*limits
     };
     let a = Artifact::open(artifact, &unbounded)
         .with_context(|| format!("opening {}", artifact.display()))?;
