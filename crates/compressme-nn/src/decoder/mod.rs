@@ -278,12 +278,7 @@ impl LanguageModel {
     /// # Errors
     /// The tokenizer's.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?
-            .get_ids()
-            .to_vec())
+        encode_text(&self.tokenizer, text)
     }
 
     /// Text of `ids` (special tokens kept).
@@ -291,9 +286,7 @@ impl LanguageModel {
     /// # Errors
     /// The tokenizer's.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        decode_ids(&self.tokenizer, ids)
     }
 
     /// The metadata an artifact of this model carries ([`DECODER_CONFIG_KEY`],
@@ -333,6 +326,35 @@ impl LanguageModel {
 
 fn to_json<T: Serialize>(v: &T) -> Result<String> {
     serde_json::to_string(v).map_err(|e| Error::Shape(e.to_string()))
+}
+
+/// Token ids of `text` under `tokenizer`, without special tokens: what
+/// [`LanguageModel::encode`] does.
+///
+/// # Errors
+/// The tokenizer's.
+pub fn encode_text(tokenizer: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    Ok(tokenizer
+        .encode(text, false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?
+        .get_ids()
+        .to_vec())
+}
+
+/// Text of `ids` under `tokenizer`, special tokens kept: what [`LanguageModel::decode`]
+/// does. No ids give the empty text without calling the tokenizer: tokenizers 0.23's
+/// byte-level BPE decoder subtracts one from the token count, which overflows (a panic
+/// where overflow checks are on) on none (found by the `tokenizer` fuzz target).
+///
+/// # Errors
+/// The tokenizer's.
+pub fn decode_ids(tokenizer: &tokenizers::Tokenizer, ids: &[u32]) -> Result<String> {
+    if ids.is_empty() {
+        return Ok(String::new());
+    }
+    tokenizer
+        .decode(ids, false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))
 }
 
 /// A tokenizer from `tokenizer.json` text, with padding and truncation off, refused when

@@ -668,3 +668,16 @@ fn a_llama_gguf_reads_as_transformers_reads_the_folder() {
         .to_string();
     assert!(e.contains("GGUF"), "{e}");
 }
+
+/// Found by the `tokenizer` fuzz target: decoding no ids panicked inside tokenizers'
+/// byte-level BPE decoder (a subtraction that overflows where overflow checks are on,
+/// as in this test profile). The empty text and no ids map to each other.
+#[test]
+fn no_ids_decode_to_the_empty_text() {
+    let lm = open("llama-gqa");
+    assert_eq!(lm.decode(&[]).unwrap(), "");
+    assert!(lm.encode("").unwrap().is_empty());
+    let ids = lm.encode("It was a fine morning.").unwrap();
+    assert!(!ids.is_empty());
+    assert!(!lm.decode(&ids).unwrap().is_empty());
+}
