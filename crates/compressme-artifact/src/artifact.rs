@@ -725,6 +725,16 @@ impl Artifact {
         (decoded_bytes(t).unwrap_or(u64::MAX), self.stored_bytes(t))
     }
 
+    /// Whether `limits`' decoded-size bounds accept this artifact (what
+    /// [`Artifact::open`] checks), without opening it again: `inspect` opens without
+    /// them and reports what they would do.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`], [`Error::Expansion`].
+    pub fn check_limits(&self, limits: &Limits) -> Result<()> {
+        check_decoded(self.file.path(), &self.file, &self.recipe, limits)
+    }
+
     fn read_entry(&mut self, name: &str) -> Result<Vec<u8>> {
         let e = self
             .file
@@ -894,10 +904,9 @@ impl Artifact {
     }
 
     /// Calls `sink` with the tensor's decoded bytes in order, at most [`STREAM_BYTES`]
-    /// (or one block) at a time, blocks decoded in parallel within each piece: the
-    /// original bytes of a dense or lossless tensor (returns true; block digests are
-    /// checked, the whole-tensor digest is the caller's), or the dequantized values in the
-    /// original dtype (returns false). Memory stays bounded whatever the tensor's size.
+    /// (or one block) at a time, blocks decoded in parallel within each piece, and says
+    /// what is left to check (see [`Streamed`]). Memory stays bounded whatever the
+    /// tensor's size.
     ///
     /// # Errors
     /// As [`Artifact::read_stored`], and `sink`'s.
@@ -905,7 +914,7 @@ impl Artifact {
         &mut self,
         name: &str,
         mut sink: impl FnMut(&[u8]) -> Result<()>,
-    ) -> Result<bool> {
+    ) -> Result<Streamed> {
         let t = self
             .tensor(name)
             .cloned()
@@ -918,13 +927,13 @@ impl Artifact {
         match self.read_stored(name)? {
             Stored::Dense(b) => {
                 sink(&b)?;
-                Ok(true)
+                Ok(Streamed::Verified)
             }
             Stored::Lossless(store) => {
                 let (rb, br) = (store.row_bytes(), store.block_rows());
                 let block_bytes = rb.saturating_mul(br);
                 if block_bytes == 0 {
-                    return Ok(true);
+                    return Ok(Streamed::Decoded);
                 }
                 let per = (STREAM_BYTES / block_bytes).max(1);
                 let (nb, rows) = (store.num_blocks(), store.rows());
@@ -952,7 +961,7 @@ impl Artifact {
                     sink(&buf)?;
                     b0 = b1;
                 }
-                Ok(true)
+                Ok(Streamed::Decoded)
             }
             Stored::Quantized(p) => {
                 let cols = p.cols().max(1);
@@ -970,7 +979,7 @@ impl Artifact {
                     sink(&from_f32(dtype, &v))?;
                     r0 = r1;
                 }
-                Ok(false)
+                Ok(Streamed::Dequantized)
             }
         }
     }
@@ -1006,10 +1015,15 @@ impl Artifact {
                 }
                 StorageRecipe::Quant { .. } => s.quantized += 1,
             }
+            // only lossless bytes are hashed here: dense bytes were checked as they were
+            // read, and packed buffers against their payload digest
+            let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
             let mut h = sha2::Sha256::new();
             let mut got = 0u64;
-            let exact = me.stream_tensor(&t.name, |b| {
-                h.update(b);
+            let streamed = me.stream_tensor(&t.name, |b| {
+                if lossless {
+                    h.update(b);
+                }
                 got = got.saturating_add(b.len() as u64);
                 Ok(())
             })?;
@@ -1019,14 +1033,8 @@ impl Artifact {
                     reason: format!("decoded {got} bytes, expected {want}"),
                 });
             }
-            if exact {
-                let d: [u8; 32] = h.finalize().into();
-                if t.sha256.as_deref() != Some(hex(&d).as_str()) {
-                    return Err(Error::Digest {
-                        tensor: t.name.clone(),
-                        what: "whole tensor".into(),
-                    });
-                }
+            if streamed == Streamed::Decoded {
+                check_digest(t, h)?;
             }
         }
         Ok(s)
@@ -1035,6 +1043,30 @@ impl Artifact {
 
 /// Decoded bytes a streaming read ([`Artifact::verify`], [`unpack`]) holds at once.
 pub const STREAM_BYTES: usize = 64 << 20;
+
+/// What a streaming read of one tensor leaves to its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Streamed {
+    /// Dense bytes, already checked against the whole-tensor digest as they were read.
+    Verified,
+    /// Lossless bytes (every block checked): the whole-tensor digest is the caller's.
+    Decoded,
+    /// Dequantized values (the packed buffers were checked against their digest).
+    Dequantized,
+}
+
+/// The whole-tensor digest of `t` against what `h` was fed.
+fn check_digest(t: &TensorRecipe, h: sha2::Sha256) -> Result<()> {
+    let d: [u8; 32] = h.finalize().into();
+    if t.sha256.as_deref() == Some(hex(&d).as_str()) {
+        Ok(())
+    } else {
+        Err(Error::Digest {
+            tensor: t.name.clone(),
+            what: "whole tensor".into(),
+        })
+    }
+}
 
 /// What a recipe entry decodes to, in bytes (`None` when that overflows).
 fn decoded_bytes(t: &TensorRecipe) -> Option<u64> {
@@ -1312,15 +1344,20 @@ pub fn unpack(
     for (t, p) in tensors.iter().zip(&planned) {
         // a piece at a time: the digest on one core while the other writes; a mismatch
         // abandons the file before it is renamed
+        // lossless bytes hashed as they are written (dense ones were checked on reading)
+        let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
         let mut h = sha2::Sha256::new();
         let mut got = 0u64;
-        let exact = artifact.stream_tensor(&t.name, |piece| {
+        let streamed = artifact.stream_tensor(&t.name, |piece| {
             got = got.saturating_add(piece.len() as u64);
             if got > p.len {
                 return Err(Error::Invalid {
                     tensor: t.name.clone(),
                     reason: format!("decodes to more than {} bytes", p.len),
                 });
+            }
+            if !lossless {
+                return out.write_all(piece);
             }
             let ((), written) = rayon::join(|| h.update(piece), || out.write_all(piece));
             written
@@ -1331,18 +1368,12 @@ pub fn unpack(
                 reason: format!("decoded {got} bytes, expected {}", p.len),
             });
         }
-        if exact {
-            let d: [u8; 32] = h.finalize().into();
-            if t.sha256.as_deref() != Some(hex(&d).as_str()) {
-                return Err(Error::Digest {
-                    tensor: t.name.clone(),
-                    what: "whole tensor".into(),
-                });
-            }
+        if streamed == Streamed::Decoded {
+            check_digest(t, h)?;
         }
         s.tensors += 1;
         s.dense_bytes += p.len;
-        if exact {
+        if streamed != Streamed::Dequantized {
             s.lossless += 1;
         } else {
             s.quantized += 1;

@@ -355,18 +355,12 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
         reason,
     };
     // a finite weight must stay finite: f16 stops at 65,504, and bf16 rounds the very
-    // largest f32 values up to infinity
-    let half_overflow = |bits_finite: &dyn Fn(f32) -> bool| {
-        w.iter()
-            .position(|&v| !bits_finite(v))
-            .map(|i| (i, w.get(i).copied().unwrap_or(0.0)))
-    };
-    let overflow = match format {
-        Format::F16 => half_overflow(&|v| f16::from_f32(v).is_finite()),
-        Format::Bf16 => half_overflow(&|v| bf16::from_f32(v).is_finite()),
-        _ => None,
-    };
-    if let Some((i, v)) = overflow {
+    // largest f32 values up to infinity (the blockwise formats' scales are checked per
+    // group below)
+    if matches!(format, Format::F16 | Format::Bf16)
+        && let Some(i) = w.iter().position(|v| !format.holds(v.abs()))
+    {
+        let v = w.get(i).copied().unwrap_or(0.0);
         return Err(unrepresentable(
             i,
             v,

@@ -223,10 +223,8 @@ fn bad_input_is_an_error() {
     ));
     // finite weights f16 would make infinite, named by index; bf16 holds them
     let e = quantize(&[1.0, 7e4, -1e6, 0.0], 2, 2, Format::F16).unwrap_err();
-    assert!(
-        matches!(e, Error::Unrepresentable { index: 1, value, .. } if value == 7e4),
-        "{e:?}"
-    );
+    let named = matches!(e, Error::Unrepresentable { index: 1, value, .. } if value == 7e4);
+    assert!(named, "{e:?}");
     assert!(e.to_string().contains("does not fit f16"), "{e}");
     assert!(quantize(&[1.0, 7e4, -1e6, 0.0], 2, 2, Format::Bf16).is_ok());
     assert!(quantize(&[65504.0, -65504.0], 1, 2, Format::F16).is_ok());

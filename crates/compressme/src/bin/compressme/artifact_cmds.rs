@@ -496,9 +496,7 @@ pub(crate) fn inspect(artifact: &Path, json: bool, limits: &Limits) -> Result<()
     };
     let a = Artifact::open(artifact, &unbounded)
         .with_context(|| format!("opening {}", artifact.display()))?;
-    let refused = Artifact::open(artifact, limits)
-        .err()
-        .map(|e| e.to_string());
+    let refused = a.check_limits(limits).err().map(|e| e.to_string());
     let mut warnings = Vec::new();
     let mut rows = Vec::new();
     let (mut dense_total, mut stored_total) = (0u64, 0u64);
