@@ -11,10 +11,7 @@ use compressme_benches::minilm_dir;
 use compressme_nn::SentenceEmbedder;
 use compressme_profile::{ActivationRecorder, ProfileSettings};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use compressme_eval::median;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let emb = SentenceEmbedder::from_dir(&minilm_dir(), &Device::Cpu)?;

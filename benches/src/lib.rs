@@ -57,15 +57,15 @@ pub fn f32_to_bf16_bytes(f32s: &[u8]) -> Vec<u8> {
 /// Median wall time of `reps` runs of `f` (after one warm-up run).
 pub fn median_time(reps: usize, mut f: impl FnMut()) -> Duration {
     f();
-    let mut v: Vec<Duration> = (0..reps.max(1))
+    let v: Vec<Duration> = (0..reps.max(1))
         .map(|_| {
             let t = Instant::now();
             f();
             t.elapsed()
         })
         .collect();
-    v.sort();
-    v[v.len() / 2]
+    let m = compressme_eval::median(v.iter().map(Duration::as_secs_f64).collect());
+    Duration::try_from_secs_f64(m).unwrap_or_default()
 }
 
 /// The repository's `cache/minilm` folder (filled by `cargo xtask fixtures`).
@@ -124,14 +124,4 @@ pub fn minilm_variants() -> Option<Vec<(&'static str, compressme_nn::Bert)>> {
     ])
 }
 
-/// Cosine similarity of two vectors (f64 sums).
-#[must_use]
-pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(*x) * f64::from(*y))
-        .sum();
-    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    dot / (norm(a) * norm(b))
-}
+pub use compressme_eval::{cosine, median};

@@ -1,10 +1,7 @@
-//! GGUF bytes: the llama reader (metadata, tensors, the rotary permutation, the BPE
-//! tokenizer built from the vocabulary), as `LanguageModel::from_gguf` reads a file.
+//! libFuzzer's entry for `gguf`; the body is `fuzz/bodies/gguf.rs`.
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
+#[path = "../bodies/gguf.rs"]
+mod body;
 
-fuzz_target!(|data: &[u8]| {
-    let mut cursor = std::io::Cursor::new(data);
-    let _ = compressme_nn::decoder::read_gguf(&mut cursor, std::path::Path::new("fuzz.gguf"));
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));

@@ -1,30 +1,7 @@
-//! Plan JSON (versions 0 and 1), then validation against a fixed set of shapes.
+//! libFuzzer's entry for `plan_json`; the body is `fuzz/bodies/plan_json.rs`.
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
+#[path = "../bodies/plan_json.rs"]
+mod body;
 
-fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else {
-        return;
-    };
-    if let Ok(plan) = compressme_plan::Plan::from_json(text) {
-        let mut shapes = std::collections::BTreeMap::new();
-        for (name, rows, cols, embedding) in [
-            ("lm_head", 16, 32, false),
-            ("layers.0.attn.q", 32, 32, false),
-            ("tok_embeddings", 16, 32, true),
-        ] {
-            shapes.insert(
-                name.to_string(),
-                compressme_plan::ModuleShape {
-                    rows,
-                    cols,
-                    embedding,
-                },
-            );
-        }
-        let _ = plan.validate(&shapes);
-        let _ = plan.to_json();
-        let _ = plan.shuffled(&shapes, 1);
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));

@@ -1,23 +1,7 @@
-//! Profile JSON, then every plan made from it (thresholds, a budget, its shuffle).
+//! libFuzzer's entry for `profile_json`; the body is `fuzz/bodies/profile_json.rs`.
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
+#[path = "../bodies/profile_json.rs"]
+mod body;
 
-fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else {
-        return;
-    };
-    if let Ok(p) = compressme_profile::Profile::from_json(text) {
-        let policy = compressme_plan::Policy::default();
-        let t = compressme_plan::Plan::from_importance(&p, policy.clone());
-        let shapes = compressme_plan::shapes(&p);
-        let _ = t.validate(&shapes);
-        if p.modules.len() <= 64 {
-            let candidates = compressme_profile::default_candidates();
-            if let Ok(b) = compressme_plan::Plan::within_budget(&p, &candidates, 1 << 20, policy) {
-                let _ = b.shuffled(&shapes, 3);
-            }
-        }
-        let _ = p.to_json();
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));

@@ -7,22 +7,23 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The targets, and the fixture files (beside `fuzz/seeds/TARGET/`) that seed each.
-const TARGETS: [(&str, &[&str]); 7] = [
-    ("blockstore", &["fixtures/blockstore/v1"]),
-    ("artifact", &["fixtures/artifact/v1"]),
-    ("plan_json", &[]),
-    ("profile_json", &[]),
-    ("report_json", &["results/offline-ci.json"]),
-    ("gguf", &[]),
-    (
-        "tokenizer",
-        &[
-            "fixtures/calibration/docs_128.txt",
-            "fixtures/decoders/llama-gqa/tokenizer.json",
-        ],
-    ),
-];
+/// The targets and the fixture paths that seed each, from `fuzz/targets.txt` (which the
+/// stable smoke test reads too).
+fn targets(root: &Path) -> Result<Vec<(String, Vec<String>)>, String> {
+    let path = root.join("fuzz/targets.txt");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .filter_map(|l| l.split_once(':'))
+        .map(|(name, seeds)| {
+            (
+                name.trim().to_string(),
+                seeds.split_whitespace().map(str::to_string).collect(),
+            )
+        })
+        .collect())
+}
 
 /// Options of `cargo xtask fuzz`.
 struct Options {
@@ -30,10 +31,10 @@ struct Options {
     targets: Vec<String>,
 }
 
-fn options(args: &[String]) -> Result<Options, String> {
+fn options(args: &[String], all: &[(String, Vec<String>)]) -> Result<Options, String> {
     let mut o = Options {
         seconds: 600,
-        targets: TARGETS.iter().map(|t| t.0.to_string()).collect(),
+        targets: all.iter().map(|t| t.0.clone()).collect(),
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -47,11 +48,7 @@ fn options(args: &[String]) -> Result<Options, String> {
             "--targets" => {
                 let list = it.next().ok_or("--targets takes a comma-separated list")?;
                 o.targets = list.split(',').map(str::to_string).collect();
-                if let Some(bad) = o
-                    .targets
-                    .iter()
-                    .find(|t| !TARGETS.iter().any(|k| k.0 == *t))
-                {
+                if let Some(bad) = o.targets.iter().find(|t| !all.iter().any(|k| k.0 == **t)) {
                     return Err(format!("no fuzz target `{bad}`"));
                 }
             }
@@ -107,18 +104,16 @@ fn stats(log: &str) -> (u64, u64) {
 }
 
 pub(crate) fn fuzz(root: &Path, args: &[String]) -> Result<(), String> {
-    let o = options(args)?;
+    let all = targets(root)?;
+    let o = options(args, &all)?;
     let fuzz_dir = root.join("fuzz");
     let mut failed = Vec::new();
     let mut lines = Vec::new();
-    for (name, fixtures) in TARGETS
-        .iter()
-        .filter(|t| o.targets.iter().any(|n| n == t.0))
-    {
+    for (name, fixtures) in all.iter().filter(|t| o.targets.contains(&t.0)) {
         let corpus = fuzz_dir.join("corpus").join(name);
         std::fs::create_dir_all(&corpus).map_err(|e| format!("{}: {e}", corpus.display()))?;
         let mut seeds = 0;
-        for f in *fixtures {
+        for f in fixtures {
             seeds += seed(root, f, &corpus)?;
         }
         let committed = fuzz_dir.join("seeds").join(name);

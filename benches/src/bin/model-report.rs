@@ -18,10 +18,7 @@ use compressme_nn::{Bert, Model, SentenceEmbedder};
 
 type Fallible<T> = Result<T, Box<dyn std::error::Error>>;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
+use compressme_eval::median;
 
 fn main() -> Fallible<()> {
     let mut threads = 1usize;

@@ -83,10 +83,7 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Fallible<()>) -> Fallible<Duratio
     Ok(best)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
+use compressme_eval::median;
 
 fn ours_row(format: Format, name: &str, mats: &[Vec<f32>], w: &[f32]) -> Fallible<Row> {
     let mut rmse = [0.0; 3];

@@ -42,20 +42,23 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
-mod artifact;
+mod convert;
 mod error;
+mod read;
 pub mod recipe;
 mod source;
 mod st;
+mod validate;
+mod write;
 
-pub use artifact::{
-    Added, Artifact, STREAM_BYTES, Stored, Summary, Writer, blocks_name, codes_name, from_f32,
-    mins_name, row_view, scales_name, to_f32, unpack, value_kind,
-};
+pub use convert::{from_f32, row_view, to_f32, unpack, value_kind};
 pub use error::{Error, Result};
+pub use read::{Artifact, STREAM_BYTES, Stored, Summary};
 pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
 pub use source::Checkpoint;
 pub use st::{
     AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Planned, SafetensorsFile, header_bytes,
     remove_temporaries,
 };
+pub use validate::{blocks_name, codes_name, mins_name, scales_name};
+pub use write::{Added, Writer};

@@ -1,4 +1,5 @@
 //! The recipe: what each original tensor was and how it is stored.
+#![deny(clippy::arithmetic_side_effects)] // reads files: no unchecked arithmetic
 
 use serde::{Deserialize, Serialize};
 
@@ -101,11 +102,8 @@ pub enum StorageRecipe {
     },
 }
 
-/// Lowercase hex.
-#[must_use]
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+/// Lowercase hex (the block store's encoder).
+pub use compressme_blockstore::hex;
 
 /// SHA-256 as lowercase hex.
 #[must_use]

@@ -1,5 +1,6 @@
 //! Reading a checkpoint: one safetensors file, a folder, or a sharded checkpoint through
 //! its index JSON, a tensor at a time.
+#![deny(clippy::arithmetic_side_effects)] // reads files: no unchecked arithmetic
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

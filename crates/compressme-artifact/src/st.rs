@@ -1,6 +1,10 @@
 //! safetensors files read and written a tensor at a time: the header is parsed with every
 //! size checked against [`Limits`] before anything is allocated, tensors are read by
 //! seeking, and writing streams tensors after a header computed up front.
+//!
+//! Every size here comes from a file, so every operation on one is checked (clippy's
+//! `arithmetic_side_effects` is denied).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -164,7 +168,8 @@ impl Entry {
     /// Bytes of data.
     #[must_use]
     pub fn len(&self) -> u64 {
-        self.end - self.begin
+        // every entry is built with begin <= end
+        self.end.saturating_sub(self.begin)
     }
 
     /// Whether it holds no bytes.
@@ -315,7 +320,10 @@ impl SafetensorsFile {
         let json: StrictHeader = serde_json::from_slice(&header)
             .map_err(|e| bad(path, format!("header is not a JSON object: {e}")))?;
         // padded as compressme writes it: spaces only after the object, to a multiple of 8
-        let body_end = header.iter().rposition(|&b| b != b' ').map_or(0, |i| i + 1);
+        let body_end = header
+            .iter()
+            .rposition(|&b| b != b' ')
+            .map_or(0, |i| i.saturating_add(1));
         let padded =
             n.is_multiple_of(8) && header.get(..body_end).is_some_and(|h| h.ends_with(b"}"));
         if json.entries.len() > limits.max_tensors {
@@ -326,7 +334,8 @@ impl SafetensorsFile {
                 limit: limits.max_tensors as u64,
             });
         }
-        let data_len = size - 8 - n;
+        // the header fits the file (checked above)
+        let data_len = size.saturating_sub(8).saturating_sub(n);
         let mut metadata = BTreeMap::new();
         for (k, v) in json.metadata.unwrap_or_default() {
             let s = v
@@ -361,7 +370,7 @@ impl SafetensorsFile {
         Ok(Self {
             path: path.to_path_buf(),
             file,
-            data_start: 8 + n,
+            data_start: n.saturating_add(8),
             entries,
             metadata,
             padded,
@@ -407,7 +416,11 @@ impl SafetensorsFile {
         let len = usize::try_from(e.len()).map_err(|_| bad(&self.path, "tensor too large"))?;
         let mut buf = vec![0u8; len];
         self.file
-            .seek(SeekFrom::Start(self.data_start + e.begin))
+            .seek(SeekFrom::Start(
+                self.data_start
+                    .checked_add(e.begin)
+                    .ok_or_else(|| bad(&self.path, "tensor offset overflows"))?,
+            ))
             .map_err(io(&self.path))?;
         self.file.read_exact(&mut buf).map_err(io(&self.path))?;
         Ok(buf)
@@ -449,30 +462,33 @@ fn parse_entry(
         })
         .ok_or_else(|| bad(path, format!("tensor `{name}` has bad data_offsets")))?;
     let (begin, end) = offsets;
-    if begin > end || end > data_len {
-        return Err(bad(
-            path,
-            format!("tensor `{name}` spans {begin}..{end} of a {data_len}-byte data section"),
-        ));
-    }
+    let len = match end.checked_sub(begin) {
+        Some(len) if end <= data_len => len,
+        _ => {
+            return Err(bad(
+                path,
+                format!("tensor `{name}` spans {begin}..{end} of a {data_len}-byte data section"),
+            ));
+        }
+    };
     let want = shape
         .iter()
         .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64));
-    if want != Some(end - begin) {
+    if want != Some(len) {
         return Err(bad(
             path,
             format!(
                 "tensor `{name}`: shape {shape:?} of {} does not fill {} bytes",
                 dtype.name(),
-                end - begin
+                len
             ),
         ));
     }
-    if end - begin > limits.max_tensor {
+    if len > limits.max_tensor {
         return Err(Error::TooLarge {
             path: path.to_path_buf(),
             what: format!("tensor `{name}`"),
-            got: end - begin,
+            got: len,
             limit: limits.max_tensor,
         });
     }
@@ -502,7 +518,8 @@ pub struct Planned {
 /// the safetensors crate writes) for tensors laid out back to back in the given order.
 ///
 /// # Errors
-/// Never in practice (JSON serialisation of strings and numbers).
+/// [`Error::Recipe`] when the offsets overflow `u64`; otherwise never (JSON serialisation
+/// of strings and numbers).
 pub fn header_bytes(tensors: &[Planned], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
     let mut map = Map::new();
     if !metadata.is_empty() {
@@ -521,15 +538,19 @@ pub fn header_bytes(tensors: &[Planned], metadata: &BTreeMap<String, String>) ->
         let mut o = Map::new();
         o.insert("dtype".into(), Value::String(t.dtype.name().into()));
         o.insert("shape".into(), Value::from(t.shape.clone()));
-        o.insert("data_offsets".into(), Value::from(vec![at, at + t.len]));
+        let end = at.checked_add(t.len).ok_or_else(|| Error::Recipe {
+            path: PathBuf::new(),
+            reason: "tensor offsets overflow u64".into(),
+        })?;
+        o.insert("data_offsets".into(), Value::from(vec![at, end]));
         map.insert(t.name.clone(), Value::Object(o));
-        at += t.len;
+        at = end;
     }
     let mut json = serde_json::to_vec(&Value::Object(map)).map_err(|e| Error::Recipe {
         path: PathBuf::new(),
         reason: e.to_string(),
     })?;
-    while (json.len() + 8) % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();

@@ -1,10 +1,32 @@
 //! Random-access decoding: ids -> blocks needed -> planes -> rows, in request order.
-#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+//!
+//! Block bytes are parsed here: every position and length comes from them, so every
+//! operation on one is checked or saturating (`arithmetic_side_effects` is denied). A
+//! block holds at most `MAX_BLOCK_BYTES` decoded bytes (checked when the store was parsed),
+//! so offsets within it never saturate; a range that would is refused by the `get` it
+//! feeds.
+#![deny(
+    clippy::indexing_slicing,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::arithmetic_side_effects
+)]
 
 use rayon::prelude::*;
 
 use crate::format::{MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RAW, MODE_ZSTD, get_varint};
 use crate::{BlockStore, Error, Result};
+
+/// `len` bytes from `start` (saturating, so an overflowing range is empty-or-refused by the
+/// `get` it feeds, never wrapped into range).
+const fn at(start: usize, len: usize) -> std::ops::Range<usize> {
+    start..start.saturating_add(len)
+}
+
+/// Row `r` of rows of `n` bytes.
+const fn row(r: usize, n: usize) -> std::ops::Range<usize> {
+    at(r.saturating_mul(n), n)
+}
 
 /// Where one plane of the current block comes from.
 #[derive(Debug, Clone, Copy)]
@@ -81,30 +103,35 @@ impl<'s> Decoder<'s> {
         order.clear();
         order.extend(ids.iter().enumerate().map(|(pos, &id)| (id, pos)));
         order.sort_unstable();
-        let br = s.block_rows as u64;
+        // at least 1 (checked when parsed)
+        let br = (s.block_rows as u64).max(1);
         let result = (|| {
             let mut rest = order.as_slice();
             while let Some(&(first, _)) = rest.first() {
-                let block = first / br;
-                let len = rest.iter().take_while(|(id, _)| id / br == block).count();
+                let block = first.checked_div(br).unwrap_or(0);
+                let len = rest
+                    .iter()
+                    .take_while(|(id, _)| id.checked_div(br) == Some(block))
+                    .count();
                 let (group, tail) = rest.split_at(len);
                 rest = tail;
-                let last = group.last().map_or(0, |(id, _)| (id % br) as usize);
+                let in_block = |id: u64| id.checked_rem(br).unwrap_or(0) as usize;
+                let last = group.last().map_or(0, |&(id, _)| in_block(id));
                 let block = usize::try_from(block)
                     .map_err(|_| Error::Malformed("block index overflows".into()))?;
                 self.want.clear();
-                self.want.resize(last + 1, false);
-                for (id, _) in group {
-                    if let Some(w) = self.want.get_mut((id % br) as usize) {
+                self.want.resize(last.saturating_add(1), false);
+                for &(id, _) in group {
+                    if let Some(w) = self.want.get_mut(in_block(id)) {
                         *w = true;
                     }
                 }
-                let srcs = self.prepare(block, last + 1)?;
+                let srcs = self.prepare(block, last.saturating_add(1))?;
                 for &(id, pos) in group {
                     let dst = out
-                        .get_mut(pos * rb..(pos + 1) * rb)
+                        .get_mut(row(pos, rb))
                         .ok_or_else(|| Error::Malformed("row outside output".into()))?;
-                    self.gather(&srcs, (id % br) as usize, dst)?;
+                    self.gather(&srcs, in_block(id), dst)?;
                 }
             }
             Ok(())
@@ -121,10 +148,10 @@ impl<'s> Decoder<'s> {
     pub fn decode_block(&mut self, block: usize, out: &mut [u8]) -> Result<usize> {
         let rows = self.rows_in_block(block)?;
         let rb = self.store.row_bytes;
-        if out.len() != rows * rb {
+        if rows.checked_mul(rb) != Some(out.len()) {
             return Err(Error::InvalidInput(format!(
                 "block {block} needs {} output bytes, got {}",
-                rows * rb,
+                rows.saturating_mul(rb),
                 out.len()
             )));
         }
@@ -148,8 +175,8 @@ impl<'s> Decoder<'s> {
                 s.num_blocks()
             )));
         }
-        let start = block as u64 * s.block_rows as u64;
-        Ok(usize::try_from((s.rows - start).min(s.block_rows as u64)).unwrap_or(0))
+        let start = (block as u64).saturating_mul(s.block_rows as u64);
+        Ok(usize::try_from(s.rows.saturating_sub(start).min(s.block_rows as u64)).unwrap_or(0))
     }
 
     /// Parses `block`, decodes its coded planes for the first `need` rows into scratch
@@ -162,15 +189,16 @@ impl<'s> Decoder<'s> {
         }
         let rows = self.rows_in_block(block)?;
         let e = s.kind.element_size().bytes();
-        let re = s.row_bytes / e; // elements per row = bytes per plane row
-        let n = rows * re; // bytes per plane in this block
+        // rows x row_bytes <= MAX_BLOCK_BYTES: none of these saturate
+        let re = s.row_bytes.checked_div(e).unwrap_or(0); // elements = bytes per plane row
+        let n = rows.saturating_mul(re); // bytes per plane in this block
         let bytes = s.block_bytes(block)?;
         let base = s.offsets.get(block).copied().unwrap_or(0);
-        if self.scratch.len() < e * n {
-            self.scratch.resize(e * n, 0);
+        if self.scratch.len() < e.saturating_mul(n) {
+            self.scratch.resize(e.saturating_mul(n), 0);
         }
-        if self.const_row.len() < e * re {
-            self.const_row.resize(e * re, 0);
+        if self.const_row.len() < e.saturating_mul(re) {
+            self.const_row.resize(e.saturating_mul(re), 0);
         }
         let mut srcs = [Src::Const(0); 8];
         let mut pos = 0usize;
@@ -180,34 +208,34 @@ impl<'s> Decoder<'s> {
         };
         for (k, src) in srcs.iter_mut().take(e).enumerate() {
             let mode = *bytes.get(pos).ok_or_else(|| bad("plane record missing"))?;
-            pos += 1;
+            pos = pos.saturating_add(1); // pos < bytes.len()
             match mode {
                 MODE_RAW => {
-                    if pos + n > bytes.len() {
+                    if bytes.get(at(pos, n)).is_none() {
                         return Err(bad("raw plane runs past the block"));
                     }
-                    *src = Src::Payload(base + pos);
-                    pos += n;
+                    *src = Src::Payload(base.saturating_add(pos));
+                    pos = pos.saturating_add(n);
                 }
                 MODE_CONST => {
                     let v = *bytes
                         .get(pos)
                         .ok_or_else(|| bad("constant plane has no value"))?;
-                    pos += 1;
-                    if let Some(row) = self.const_row.get_mut(k * re..(k + 1) * re) {
-                        row.fill(v);
+                    pos = pos.saturating_add(1);
+                    if let Some(r) = self.const_row.get_mut(row(k, re)) {
+                        r.fill(v);
                     }
-                    *src = Src::Const(k * re);
+                    *src = Src::Const(k.saturating_mul(re));
                 }
                 MODE_ZSTD => {
                     let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
                     let frame = bytes
-                        .get(pos..pos + len)
+                        .get(at(pos, len))
                         .ok_or_else(|| bad("zstd frame runs past the block"))?;
-                    pos += len;
+                    pos = pos.saturating_add(len);
                     let dst = self
                         .scratch
-                        .get_mut(k * n..(k + 1) * n)
+                        .get_mut(row(k, n))
                         .ok_or_else(|| bad("scratch"))?;
                     let dec = match &mut self.zstd {
                         Some(d) => d,
@@ -222,25 +250,28 @@ impl<'s> Decoder<'s> {
                     if got != n {
                         return Err(bad(&format!("zstd plane holds {got} bytes, expected {n}")));
                     }
-                    *src = Src::Scratch(k * n);
+                    *src = Src::Scratch(k.saturating_mul(n));
                 }
                 m if m >= MODE_HUFFMAN_ROWS => {
-                    let (body, dec) = coded_plane(s, bytes, &mut pos, k, m - MODE_HUFFMAN_ROWS)
-                        .map_err(|e| e.in_block(block))?;
-                    let index_len = 2 * rows.saturating_sub(1);
+                    let t = m.saturating_sub(MODE_HUFFMAN_ROWS);
+                    let (body, dec) =
+                        coded_plane(s, bytes, &mut pos, k, t).map_err(|e| e.in_block(block))?;
+                    let index_len = rows.saturating_sub(1).saturating_mul(2);
                     let (index, segs) = body
                         .split_at_checked(index_len)
                         .ok_or_else(|| bad("row index runs past the plane"))?;
                     // the wanted rows' segments, decoded two at a time
                     let plane = self
                         .scratch
-                        .get_mut(k * n..(k + 1) * n)
+                        .get_mut(row(k, n))
                         .ok_or_else(|| bad("scratch"))?;
                     let mut start = 0usize;
                     let mut pending: Option<(usize, &[u8])> = None;
                     for r in 0..need.min(rows) {
-                        let end = match index.get(2 * r..2 * r + 2) {
-                            Some(&[lo, hi]) => start + usize::from(u16::from_le_bytes([lo, hi])),
+                        let end = match index.get(row(r, 2)) {
+                            Some(&[lo, hi]) => {
+                                start.saturating_add(usize::from(u16::from_le_bytes([lo, hi])))
+                            }
                             _ => segs.len(), // the last row takes the rest
                         };
                         let seg = segs
@@ -253,10 +284,10 @@ impl<'s> Decoder<'s> {
                         match pending.take() {
                             None => pending = Some((r, seg)),
                             Some((r0, seg0)) => {
-                                let (left, right) = plane.split_at_mut(r * re);
-                                let a = left
-                                    .get_mut(r0 * re..(r0 + 1) * re)
+                                let (left, right) = plane
+                                    .split_at_mut_checked(r.saturating_mul(re))
                                     .ok_or_else(|| bad("scratch"))?;
+                                let a = left.get_mut(row(r0, re)).ok_or_else(|| bad("scratch"))?;
                                 let b = right.get_mut(..re).ok_or_else(|| bad("scratch"))?;
                                 dec.decode_pair((seg0, a, true), (seg, b, true))
                                     .map_err(|e| e.in_block(block))?;
@@ -264,40 +295,44 @@ impl<'s> Decoder<'s> {
                         }
                     }
                     if let Some((r0, seg0)) = pending {
-                        let a = plane
-                            .get_mut(r0 * re..(r0 + 1) * re)
-                            .ok_or_else(|| bad("scratch"))?;
+                        let a = plane.get_mut(row(r0, re)).ok_or_else(|| bad("scratch"))?;
                         dec.decode(seg0, a, true).map_err(|e| e.in_block(block))?;
                     }
-                    *src = Src::Scratch(k * n);
+                    *src = Src::Scratch(k.saturating_mul(n));
                 }
                 m if m >= MODE_HUFFMAN => {
-                    let (stream, dec) = coded_plane(s, bytes, &mut pos, k, m - MODE_HUFFMAN)
-                        .map_err(|e| e.in_block(block))?;
+                    let t = m.saturating_sub(MODE_HUFFMAN);
+                    let (stream, dec) =
+                        coded_plane(s, bytes, &mut pos, k, t).map_err(|e| e.in_block(block))?;
                     // two streams: rows [0, h) and [h, rows); each decoded only as far as
                     // the last wanted row in it, both at once when both are needed
                     let mut sp = 0usize;
                     let len_a = get_varint(stream, &mut sp).map_err(|e| e.in_block(block))?;
                     let a = stream
-                        .get(sp..sp + len_a)
+                        .get(at(sp, len_a))
                         .ok_or_else(|| bad("first half runs past the plane"))?;
-                    let b = stream.get(sp + len_a..).unwrap_or(&[]);
+                    let b = stream.get(sp.saturating_add(len_a)..).unwrap_or(&[]);
                     let h = rows.div_ceil(2);
                     let last = |range: std::ops::Range<usize>| {
                         range
                             .rev()
                             .find(|&r| self.want.get(r).copied().unwrap_or(false))
                     };
-                    let need_a = last(0..h.min(need)).map_or(0, |r| r + 1);
-                    let need_b = last(h..need.min(rows)).map_or(0, |r| r + 1 - h);
+                    let need_a = last(0..h.min(need)).map_or(0, |r| r.saturating_add(1));
+                    let need_b = last(h..need.min(rows))
+                        .map_or(0, |r| r.saturating_add(1).saturating_sub(h));
                     let plane = self
                         .scratch
-                        .get_mut(k * n..(k + 1) * n)
+                        .get_mut(row(k, n))
                         .ok_or_else(|| bad("scratch"))?;
-                    let (pa, pb) = plane.split_at_mut((h * re).min(n));
-                    let oa = pa.get_mut(..need_a * re).ok_or_else(|| bad("scratch"))?;
-                    let ob = pb.get_mut(..need_b * re).ok_or_else(|| bad("scratch"))?;
-                    let (full_a, full_b) = (need_a == h, need_b == rows - h);
+                    let (pa, pb) = plane.split_at_mut(h.saturating_mul(re).min(n));
+                    let oa = pa
+                        .get_mut(row(0, need_a.saturating_mul(re)))
+                        .ok_or_else(|| bad("scratch"))?;
+                    let ob = pb
+                        .get_mut(row(0, need_b.saturating_mul(re)))
+                        .ok_or_else(|| bad("scratch"))?;
+                    let (full_a, full_b) = (need_a == h, need_b == rows.saturating_sub(h));
                     let done = match (need_a > 0, need_b > 0) {
                         (true, true) => dec.decode_pair((a, oa, full_a), (b, ob, full_b)),
                         (true, false) => dec.decode(a, oa, full_a),
@@ -305,7 +340,7 @@ impl<'s> Decoder<'s> {
                         (false, false) => Ok(()),
                     };
                     done.map_err(|e| e.in_block(block))?;
-                    *src = Src::Scratch(k * n);
+                    *src = Src::Scratch(k.saturating_mul(n));
                 }
                 other => return Err(bad(&format!("unknown plane mode {other}"))),
             }
@@ -313,7 +348,7 @@ impl<'s> Decoder<'s> {
         if pos != bytes.len() {
             return Err(bad(&format!(
                 "{} trailing bytes after the last plane",
-                bytes.len() - pos
+                bytes.len().saturating_sub(pos)
             )));
         }
         Ok(srcs)
@@ -323,14 +358,15 @@ impl<'s> Decoder<'s> {
     fn gather(&self, srcs: &[Src; 8], r: usize, dst: &mut [u8]) -> Result<()> {
         let s = self.store;
         let e = s.kind.element_size().bytes();
-        let re = s.row_bytes / e;
+        let re = s.row_bytes.checked_div(e).unwrap_or(0);
         let slice = |src: &Src| -> Result<&[u8]> {
+            let in_plane = r.saturating_mul(re);
             let (buf, start) = match *src {
-                Src::Payload(o) => (s.payload.as_slice(), o + r * re),
-                Src::Scratch(o) => (self.scratch.as_slice(), o + r * re),
+                Src::Payload(o) => (s.payload.as_slice(), o.saturating_add(in_plane)),
+                Src::Scratch(o) => (self.scratch.as_slice(), o.saturating_add(in_plane)),
                 Src::Const(o) => (self.const_row.as_slice(), o),
             };
-            buf.get(start..start + re)
+            buf.get(at(start, re))
                 .ok_or_else(|| Error::Malformed("plane row outside its buffer".into()))
         };
         let rot = s.kind.rotates_sign();
@@ -370,9 +406,9 @@ fn coded_plane<'b, 's>(
 ) -> Result<(&'b [u8], &'s crate::huffman::Decoder)> {
     let len = get_varint(bytes, pos)?;
     let body = bytes
-        .get(*pos..*pos + len)
+        .get(at(*pos, len))
         .ok_or_else(|| Error::Malformed("coded plane runs past the block".into()))?;
-    *pos += len;
+    *pos = pos.saturating_add(len);
     let dec = store
         .decoders
         .get(plane)
@@ -448,7 +484,7 @@ impl BlockStore {
         let total = usize::try_from(self.dense_bytes())
             .map_err(|_| Error::Malformed("tensor too large".into()))?;
         let mut out = vec![0u8; total];
-        let chunk = (self.block_rows * self.row_bytes).max(1);
+        let chunk = self.block_rows.saturating_mul(self.row_bytes).max(1);
         if total == 0 {
             return Ok(out);
         }

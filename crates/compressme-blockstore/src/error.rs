@@ -64,12 +64,16 @@ impl Error {
     }
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
+/// Lowercase hex of `bytes` (digests in messages, recipes and reports): the workspace's
+/// one hex encoder.
+#[must_use]
+pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+    bytes.iter().fold(
+        String::with_capacity(bytes.len().saturating_mul(2)),
+        |mut s, b| {
             let _ = write!(s, "{b:02x}");
             s
-        })
+        },
+    )
 }

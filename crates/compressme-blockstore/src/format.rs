@@ -3,7 +3,14 @@
 //! Bytes handed to [`BlockStore::from_bytes`] are treated as hostile: every size is checked
 //! against what is actually present before anything is allocated from it, block lengths
 //! must tile the payload exactly, and every block is verified against its digest.
-#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+//! Every size comes from the bytes, so every operation on one is checked
+//! (`arithmetic_side_effects` is denied here).
+#![deny(
+    clippy::indexing_slicing,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::arithmetic_side_effects
+)]
 
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
@@ -51,12 +58,13 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 /// minimal encoding (no final zero byte after a continuation).
 pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {
     let mut v = 0usize;
-    for i in 0..4 {
+    for (i, shift) in [0u32, 7, 14, 21].into_iter().enumerate() {
         let b = *bytes
             .get(*pos)
             .ok_or_else(|| Error::Malformed("varint runs past the block".into()))?;
-        *pos += 1;
-        v |= usize::from(b & 0x7f) << (7 * i);
+        // `get` succeeded, so `*pos < bytes.len()`
+        *pos = pos.saturating_add(1);
+        v |= usize::from(b & 0x7f).wrapping_shl(shift);
         if b & 0x80 == 0 {
             // minimal: a last byte of zero after others adds nothing
             if i > 0 && b == 0 {
@@ -71,14 +79,16 @@ pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {
 pub(crate) fn stored_bytes(s: &BlockStore) -> StoredBytes {
     let planes = s.tables.len() as u64;
     StoredBytes {
-        header: FIXED_HEADER as u64 + planes + INDEX_DIGEST,
+        header: (FIXED_HEADER as u64)
+            .saturating_add(planes)
+            .saturating_add(INDEX_DIGEST),
         tables: s
             .tables
             .iter()
-            .map(|t| (t.len() * TABLE_BYTES) as u64)
-            .sum(),
-        offsets: 4 * s.digests.len() as u64,
-        digests: 32 * s.digests.len() as u64,
+            .map(|t| t.len().saturating_mul(TABLE_BYTES) as u64)
+            .fold(0, u64::saturating_add),
+        offsets: (s.digests.len() as u64).saturating_mul(4),
+        digests: (s.digests.len() as u64).saturating_mul(32),
         payload: s.payload.len() as u64,
     }
 }
@@ -91,15 +101,15 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
-        let slice = end
-            .and_then(|e| self.bytes.get(self.pos..e))
+        let (slice, end) = end
+            .and_then(|e| Some((self.bytes.get(self.pos..e)?, e)))
             .ok_or_else(|| {
                 Error::Malformed(format!(
                     "truncated: {what} needs {n} bytes, {} left",
-                    self.bytes.len() - self.pos
+                    self.left()
                 ))
             })?;
-        self.pos += n;
+        self.pos = end;
         Ok(slice)
     }
 
@@ -110,7 +120,7 @@ impl<'a> Reader<'a> {
     }
 
     fn left(&self) -> usize {
-        self.bytes.len() - self.pos
+        self.bytes.len().saturating_sub(self.pos)
     }
 }
 
@@ -151,7 +161,7 @@ impl BlockStore {
         }
         for w in self.offsets.windows(2) {
             if let [a, b] = w {
-                out.extend_from_slice(&((b - a) as u32).to_le_bytes());
+                out.extend_from_slice(&(b.saturating_sub(*a) as u32).to_le_bytes());
             }
         }
         for d in &self.digests {
@@ -246,10 +256,14 @@ impl BlockStore {
                 r.left()
             )));
         }
-        let max_block = block_rows * row_bytes + 8 * e + 16;
-        let mut offsets = Vec::with_capacity(nb + 1);
+        // block_rows x row_bytes <= MAX_BLOCK_BYTES and nb x 36 fit (both checked above)
+        let max_block = block_rows
+            .saturating_mul(row_bytes)
+            .saturating_add(e.saturating_mul(8))
+            .saturating_add(16);
+        let mut offsets = Vec::with_capacity(nb.saturating_add(1));
         offsets.push(0usize);
-        let lens = r.take(4 * nb, "block lengths")?;
+        let lens = r.take(nb.saturating_mul(4), "block lengths")?;
         let mut end = 0usize;
         for (b, l) in lens.chunks_exact(4).enumerate() {
             let mut w = [0u8; 4];
@@ -261,11 +275,13 @@ impl BlockStore {
                     reason: format!("length {l} exceeds the largest possible {max_block}"),
                 });
             }
-            end += l;
+            end = end
+                .checked_add(l)
+                .ok_or_else(|| Error::Malformed("block lengths overflow".into()))?;
             offsets.push(end);
         }
         let digests: Vec<[u8; 32]> = r
-            .take(32 * nb, "digests")?
+            .take(nb.saturating_mul(32), "digests")?
             .chunks_exact(32)
             .map(|d| {
                 let mut a = [0u8; 32];
@@ -307,7 +323,10 @@ impl BlockStore {
 
     /// The coded bytes of one block.
     pub(crate) fn block_bytes(&self, block: usize) -> Result<&[u8]> {
-        let (Some(&a), Some(&b)) = (self.offsets.get(block), self.offsets.get(block + 1)) else {
+        let (Some(&a), Some(&b)) = (
+            self.offsets.get(block),
+            self.offsets.get(block.saturating_add(1)),
+        ) else {
             return Err(Error::Malformed(format!("block {block} does not exist")));
         };
         self.payload.get(a..b).ok_or_else(|| Error::BadBlock {

@@ -3,7 +3,18 @@
 //! A table is 256 code lengths (0..=[`MAX_LEN`]); codes are canonical (sorted by length,
 //! then symbol) and written least-significant bit first, bit-reversed, so that the decoder
 //! indexes a `2^MAX_LEN` lookup table with the next bits of the stream.
-#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+//!
+//! Tables are parsed from a file ([`CodeLengths::from_nibbles`]) and streams are read from
+//! one, so `arithmetic_side_effects` is denied here. It is allowed, each with its bound,
+//! only on the encoder (which codes the tool's own bytes) and on the decoder's inner loops,
+//! whose counters are bounded by construction (at most 64 bits in the accumulator, codes
+//! of at most `MAX_LEN` bits, four lookups a refill) and whose writes go through `get`.
+#![deny(
+    clippy::indexing_slicing,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::arithmetic_side_effects
+)]
 
 use crate::{Error, Result};
 
@@ -18,6 +29,7 @@ pub(crate) struct CodeLengths(pub(crate) [u8; 256]);
 impl CodeLengths {
     /// Builds lengths from counts: symbols that occur get a code of at most `MAX_LEN` bits,
     /// symbols that never occur get none.
+    #[allow(clippy::arithmetic_side_effects)] // encoder: tree depths < 256, counts of 256 slots
     pub(crate) fn from_counts(counts: &[u64; 256]) -> Self {
         let used = counts.iter().filter(|&&c| c > 0).count();
         if used <= 1 {
@@ -122,6 +134,7 @@ impl CodeLengths {
 
     /// Bits to code a histogram with these lengths; `u64::MAX` when a symbol that occurs
     /// has no code.
+    #[allow(clippy::arithmetic_side_effects)] // encoder: a block's counts x 12 bits fit u64
     pub(crate) fn cost_bits(&self, counts: &[u64; 256]) -> u64 {
         // branch-free so it vectorizes: clustering calls this for every block and table
         let mut bits = 0u64;
@@ -167,7 +180,8 @@ impl CodeLengths {
                     "code length {l} outside 0..={MAX_LEN}"
                 )));
             }
-            kraft += 1u64 << (MAX_LEN - l);
+            // l <= MAX_LEN (checked above), 256 terms of at most 2^11
+            kraft = kraft.saturating_add(1u64 << MAX_LEN.saturating_sub(l));
         }
         if kraft == 0 || kraft > TABLE_SIZE as u64 {
             return Err(Error::Malformed("code table is not a prefix code".into()));
@@ -180,14 +194,16 @@ impl CodeLengths {
         let mut count = [0u16; MAX_LEN as usize + 2];
         for &l in &self.0 {
             if let Some(c) = count.get_mut(l as usize) {
-                *c += 1;
+                *c = c.saturating_add(1); // at most 256
             }
         }
         count[0] = 0; // symbols without a code take no code space
         let mut next = [0u16; MAX_LEN as usize + 2];
         let mut code = 0u16;
         for l in 1..=MAX_LEN as usize {
-            code = (code + count.get(l - 1).copied().unwrap_or(0)) << 1;
+            // a prefix code's canonical codes fit MAX_LEN + 1 bits (Kraft sum <= 1)
+            let prev = count.get(l.saturating_sub(1)).copied().unwrap_or(0);
+            code = code.wrapping_add(prev).wrapping_shl(1);
             if let Some(n) = next.get_mut(l) {
                 *n = code;
             }
@@ -198,9 +214,11 @@ impl CodeLengths {
                 continue;
             };
             let c = *n;
-            *n += 1;
+            *n = n.wrapping_add(1);
             if let Some(o) = out.get_mut(s) {
-                *o = c.reverse_bits() >> (16 - u32::from(l));
+                *o = c
+                    .reverse_bits()
+                    .wrapping_shr(16u32.saturating_sub(u32::from(l)));
             }
         }
         out
@@ -223,6 +241,7 @@ impl Encoder {
     }
 
     /// Appends the coded bytes of `symbols` to `out`.
+    #[allow(clippy::arithmetic_side_effects)] // n < 32 + MAX_LEN bits between flushes
     pub(crate) fn encode(&self, symbols: &[u8], out: &mut Vec<u8>) {
         let mut acc: u64 = 0;
         let mut n: u32 = 0;
@@ -273,6 +292,8 @@ const EMPTY_FLAG: u64 = 1 << 48;
 const EMPTY: u64 = EMPTY_FLAG | 1 << 32 | (MAX_LEN as u64) << 36;
 
 impl Decoder {
+    // from a parsed table: lengths <= MAX_LEN, slots < TABLE_SIZE, at most MULTI symbols
+    #[allow(clippy::arithmetic_side_effects)]
     pub(crate) fn new(lengths: &CodeLengths) -> Self {
         let codes = lengths.reversed_codes();
         let mut single = Box::new([0u16; TABLE_SIZE]);
@@ -330,6 +351,7 @@ impl Decoder {
     /// Decodes two independent streams at once: two dependency chains keep the CPU busy
     /// where one would wait on each table lookup. Same contract as [`Decoder::decode`] for
     /// each pair of stream and output.
+    #[allow(clippy::arithmetic_side_effects)] // window offsets < out.len(), via `get`
     pub(crate) fn decode_pair(
         &self,
         a: (&[u8], &mut [u8], bool),
@@ -362,6 +384,7 @@ impl Decoder {
 
     /// One `multi` lookup: up to `MULTI` symbols into `window[*q..]`.
     #[inline(always)]
+    #[allow(clippy::arithmetic_side_effects)] // q < WINDOW; l <= MAX_LEN <= bits after refill
     fn step(&self, st: &mut Bits<'_>, window: &mut [u8], q: &mut usize, flags: &mut u64) {
         let e = self
             .multi
@@ -381,6 +404,7 @@ impl Decoder {
     /// The fast loop from `out[p..]`: one refill (at least 56 bits) then `LOOKUPS` lookups
     /// of at most 12 bits, written through a `WINDOW`-byte window (one bounds check per
     /// refill). Returns how far it got; the rest is for `finish`.
+    #[allow(clippy::arithmetic_side_effects)] // p < out.len(), via `get`
     fn fast(&self, st: &mut Bits<'_>, out: &mut [u8], mut p: usize, flags: &mut u64) -> usize {
         while let Some(window) = out.get_mut(p..p + WINDOW) {
             st.refill();
@@ -418,17 +442,20 @@ impl Decoder {
                 return Err(empty());
             }
             *o = e as u8;
-            st.acc >>= l;
-            st.bits -= l;
+            // a refill leaves at least 56 bits; a code takes at most MAX_LEN
+            st.acc = st.acc.wrapping_shr(l);
+            st.bits = st.bits.saturating_sub(l);
         }
-        let consumed = st.pos as u64 * 8 - u64::from(st.bits);
-        let available = st.stream.len() as u64 * 8;
-        if consumed > available {
+        let consumed = (st.pos as u64)
+            .saturating_mul(8)
+            .saturating_sub(u64::from(st.bits));
+        let available = (st.stream.len() as u64).saturating_mul(8);
+        let Some(left) = available.checked_sub(consumed) else {
             return Err(Error::Malformed(
                 "coded plane is shorter than its symbols".into(),
             ));
-        }
-        if exact && available - consumed >= 8 {
+        };
+        if exact && left >= 8 {
             return Err(Error::Malformed("coded plane has trailing bytes".into()));
         }
         Ok(())
@@ -464,6 +491,7 @@ impl<'a> Bits<'a> {
 
     /// Tops `acc` up to at least 56 bits.
     #[inline(always)]
+    #[allow(clippy::arithmetic_side_effects)] // bits <= 64; pos grows by at most 8 a call
     fn refill(&mut self) {
         if let Some(word) = self.stream.get(self.pos..self.pos + 8) {
             let mut w = [0u8; 8];
@@ -482,7 +510,11 @@ impl<'a> Bits<'a> {
 }
 
 #[cfg(test)]
-#[allow(clippy::indexing_slicing, clippy::unwrap_used)] // tests index fixed arrays
+#[allow(
+    clippy::indexing_slicing,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects
+)] // tests index fixed arrays and count small numbers
 mod tests {
     use super::*;
 

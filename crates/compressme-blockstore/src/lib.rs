@@ -46,7 +46,7 @@ mod format;
 mod huffman;
 
 pub use decode::Decoder;
-pub use error::{Error, Result};
+pub use error::{Error, Result, hex};
 pub use format::MAGIC;
 
 use compressme_shuffle::ElementSize;

@@ -7,7 +7,8 @@
 //! storage) can be scored; the crate holds no model code.
 //!
 //! Also: [`time`] (warm-up, raw samples, units actually produced), [`peak_rss_bytes`],
-//! [`reset_peak_rss`] and [`current_rss_bytes`].
+//! [`reset_peak_rss`] and [`current_rss_bytes`]; [`median`] and [`cosine`], used across
+//! the workspace.
 //!
 //! For models without a language-model head (sentence embedders): [`embedding_agreement`]
 //! (cosine to the reference and nearest-neighbour retrieval agreement).
@@ -430,6 +431,13 @@ impl ShiftAcc {
     }
 }
 
+/// The median of `v`: for an even count the upper of the two middle values (so it is one
+/// of the samples); NaN for none. The workspace's one median.
+#[must_use]
+pub fn median(v: Vec<f64>) -> f64 {
+    percentile(v, 0.5)
+}
+
 fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -697,7 +705,10 @@ pub struct EmbeddingAgreement {
     pub retrieval_top1_agreement: f64,
 }
 
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
+/// Cosine similarity of two vectors, summed in f64; two zero vectors are identical (1),
+/// one zero vector against another vector is 0. The workspace's one cosine.
+#[must_use]
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
     for (&x, &y) in a.iter().zip(b) {
         let (x, y) = (f64::from(x), f64::from(y));

@@ -1,4 +1,5 @@
 //! Does a fresh run reproduce a recorded one?
+#![deny(clippy::arithmetic_side_effects)] // reads files: no unchecked arithmetic
 
 use serde::{Deserialize, Serialize};
 

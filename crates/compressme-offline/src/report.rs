@@ -1,4 +1,5 @@
 //! The report: what a run measured, as JSON, and the table a person reads.
+#![deny(clippy::arithmetic_side_effects)] // reads files: no unchecked arithmetic
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -101,7 +101,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         h.update(name.as_bytes());
         h.update(f32_bytes(t)?);
     }
-    let weights_sha256: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let weights_sha256 = compressme_blockstore::hex(&h.finalize());
     let training = Training {
         losses,
         weights_sha256,

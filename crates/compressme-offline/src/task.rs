@@ -74,7 +74,7 @@ pub fn corpus_sha256(docs: &[Vec<u32>]) -> String {
             h.update(t.to_le_bytes());
         }
     }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    compressme_blockstore::hex(&h.finalize())
 }
 
 /// A training batch: `batch` sequences of `context + 1` tokens from random training

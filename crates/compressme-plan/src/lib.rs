@@ -39,6 +39,9 @@
 //! ```
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
+// shapes and bytes come from profile and plan JSON: every operation on them is checked or
+// saturating
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::BTreeMap;
 
@@ -94,6 +97,11 @@ pub enum Choice {
     Format(Format),
 }
 
+/// Bytes of a `[rows, cols]` weight in f32 (saturating).
+fn dense_bytes(rows: usize, cols: usize) -> u64 {
+    (rows as u64).saturating_mul(cols as u64).saturating_mul(4)
+}
+
 impl Choice {
     /// `dense`, `lossless` or the format's name.
     #[must_use]
@@ -133,7 +141,7 @@ impl Choice {
     #[must_use]
     pub fn bytes(&self, rows: usize, cols: usize) -> Option<u64> {
         match self {
-            Self::Dense => Some(4 * (rows * cols) as u64),
+            Self::Dense => Some(dense_bytes(rows, cols)),
             Self::Lossless => None,
             Self::Format(f) => Some(f.stored_bytes(rows, cols) as u64),
         }
@@ -437,7 +445,7 @@ impl Plan {
         let mut items: Vec<(String, Vec<Option3>)> = Vec::new();
         for (name, s) in linears(profile) {
             let head = policy.protect_output_head && policy.output_heads.contains(name);
-            let mut opts = vec![(Choice::Dense, 4 * (s.rows * s.cols) as u64, 0.0)];
+            let mut opts = vec![(Choice::Dense, dense_bytes(s.rows, s.cols), 0.0)];
             for f in candidates {
                 let choice = Choice::Format(*f);
                 if head && !choice.at_least_int8() {
@@ -498,7 +506,10 @@ impl Plan {
                 .filter_map(|n| self.modules.get(n).copied())
                 .collect();
             for i in (1..choices.len()).rev() {
-                let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+                let j = rng
+                    .next_u64()
+                    .checked_rem((i as u64).saturating_add(1))
+                    .unwrap_or(0) as usize;
                 choices.swap(i, j);
             }
             for (n, c) in names.iter().zip(choices) {
@@ -537,7 +548,7 @@ pub fn planned_bytes(
             let s = shapes.get(n)?;
             Some(
                 c.bytes(s.rows, s.cols)
-                    .unwrap_or(4 * (s.rows * s.cols) as u64),
+                    .unwrap_or(dense_bytes(s.rows, s.cols)),
             )
         })
         .sum()
@@ -613,20 +624,20 @@ fn frontier(items: &[Vec<(u64, f64)>], budget: u64) -> Option<Vec<usize>> {
         pick: 0,
     }];
     // the cheapest remaining bytes bound what a partial sum may use
-    let mut rest_min: Vec<u64> = vec![0; items.len() + 1];
+    let mut rest_min: Vec<u64> = vec![0; items.len().saturating_add(1)];
     for i in (0..items.len()).rev() {
         let m = items
             .get(i)
             .and_then(|o| o.iter().map(|c| c.0).min())
             .unwrap_or(0);
-        rest_min[i] = rest_min[i + 1] + m;
+        rest_min[i] = rest_min[i.saturating_add(1)].saturating_add(m);
     }
     for (i, opts) in items.iter().enumerate() {
-        let mut next: Vec<State> = Vec::with_capacity(front.len() * opts.len());
+        let mut next: Vec<State> = Vec::with_capacity(front.len().saturating_mul(opts.len()));
         for (si, s) in front.iter().enumerate() {
             for (k, &(b, e)) in opts.iter().enumerate() {
-                let bytes = s.bytes + b;
-                if bytes + rest_min[i + 1] <= budget {
+                let bytes = s.bytes.saturating_add(b);
+                if bytes.saturating_add(rest_min[i.saturating_add(1)]) <= budget {
                     next.push(State {
                         bytes,
                         err: s.err + e,
@@ -718,7 +729,7 @@ fn lagrangian(items: &[Vec<(u64, f64)>], budget: u64) -> Vec<usize> {
         for (i, (o, &k)) in items.iter().zip(&p).enumerate() {
             let Some(&(b0, e0)) = o.get(k) else { continue };
             for (j, &(b, e)) in o.iter().enumerate() {
-                if e < e0 && used - b0 + b <= budget {
+                if e < e0 && used.saturating_sub(b0).saturating_add(b) <= budget {
                     let gain = (e0 - e) / ((b.saturating_sub(b0)) as f64 + 1.0);
                     if best.is_none_or(|x| gain > x.2) {
                         best = Some((i, j, gain));

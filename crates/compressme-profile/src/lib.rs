@@ -31,6 +31,8 @@
 //! ```
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
+// profiles are read back from JSON: every operation on a count is checked or saturating
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -199,14 +201,14 @@ impl ModuleStats {
                 *sq += f64::from(a) * f64::from(a);
                 self.sum_abs += f64::from(a);
                 if a > threshold {
-                    self.above += 1;
+                    self.above = self.above.saturating_add(1);
                 }
                 if a > self.max_abs {
                     self.max_abs = a;
                 }
             }
-            self.vectors += 1;
-            self.elements += cols as u64;
+            self.vectors = self.vectors.saturating_add(1);
+            self.elements = self.elements.saturating_add(cols as u64);
         }
         Ok(())
     }
@@ -460,7 +462,7 @@ impl ActivationRecorder {
         Ok(Profile {
             version: VERSION,
             settings: self.settings.clone(),
-            model_sha256: digest.iter().map(|b| format!("{b:02x}")).collect(),
+            model_sha256: compressme_blockstore::hex(&digest),
             calibration_sha256: self.calibration_sha256.clone(),
             tokens,
             batches: batches.len(),

@@ -1,5 +1,15 @@
 //! The formats, their layouts in memory, quantization and dequantization.
-#![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
+//!
+//! Sizes reach here from files (through [`Packed::from_parts`]): every operation on one is
+//! checked or saturating (`arithmetic_side_effects` is denied). A packed matrix has
+//! `rows, cols >= 1` and buffers whose lengths were checked against them, so an index
+//! below `rows x cols` never saturates.
+#![deny(
+    clippy::indexing_slicing,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::arithmetic_side_effects
+)]
 
 use half::{bf16, f16};
 
@@ -271,7 +281,10 @@ const fn pair_table(values: [f32; 16]) -> [[f32; 2]; 256] {
         {
             t[i] = [values[i & 15], values[i >> 4]];
         }
-        i += 1;
+        #[allow(clippy::arithmetic_side_effects)] // i < 256
+        {
+            i += 1;
+        }
     }
     t
 }
@@ -302,7 +315,7 @@ fn nf4_index(v: f32) -> u8 {
         if let [a, b] = pair
             && v > (a + b) / 2.0
         {
-            idx += 1;
+            idx = idx.saturating_add(1);
         }
     }
     idx
@@ -310,6 +323,17 @@ fn nf4_index(v: f32) -> u8 {
 
 fn f16_round(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
+}
+
+/// Index `j` of row `r` of rows of `n` (saturating: within a packed matrix it never does).
+const fn flat(r: usize, n: usize, j: usize) -> usize {
+    r.saturating_mul(n).saturating_add(j)
+}
+
+/// Row `r`'s range in a buffer of rows of `n` (saturating, so past the end it is refused by
+/// the `get` it feeds, never wrapped into range).
+const fn row_span(r: usize, n: usize) -> std::ops::Range<usize> {
+    flat(r, n, 0)..flat(r.saturating_add(1), n, 0)
 }
 
 fn set_nibble(codes: &mut [u8], j: usize, q: u8) {
@@ -344,7 +368,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
     if let Some((index, &value)) = w.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return Err(Error::NonFinite {
             index,
-            row: index / cols,
+            row: index.checked_div(cols).unwrap_or(0),
             value,
         });
     }
@@ -368,7 +392,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
         ));
     }
     let rb = format.row_code_bytes(cols);
-    let mut codes = vec![0u8; rows * rb];
+    let mut codes = vec![0u8; rows.saturating_mul(rb)];
     let mut scales = Vec::new();
     let mut mins = Vec::new();
     for (r, (row, out)) in w
@@ -386,7 +410,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
                 .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
                 .map_or((0, 0.0), |(j, &v)| (j, v));
             unrepresentable(
-                r * cols + gi * g + j,
+                flat(r, cols, gi.saturating_mul(g).saturating_add(j)),
                 v,
                 "its group's scale is past f16's range".into(),
             )
@@ -433,7 +457,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
                     let scale = f16_scale(absmax).ok_or_else(|| scale_err(gi, g.get(), group))?;
                     for (j, &v) in group.iter().enumerate() {
                         let q = if scale > 0.0 { nf4_index(v / scale) } else { 7 };
-                        set_nibble(out, gi * g.get() + j, q);
+                        set_nibble(out, gi.saturating_mul(g.get()).saturating_add(j), q);
                     }
                     scales.push(scale);
                 }
@@ -459,7 +483,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
                         } else {
                             0
                         };
-                        set_nibble(out, gi * g.get() + j, q);
+                        set_nibble(out, gi.saturating_mul(g.get()).saturating_add(j), q);
                     }
                     scales.push(step);
                     mins.push(min);
@@ -510,7 +534,7 @@ pub fn quantize_weighted(
     let nf4 = matches!(format, Format::Nf4Block(_));
     for (r, row) in w.chunks_exact(cols).enumerate() {
         for (gi, (group, imp)) in row.chunks(g).zip(importance.chunks(g)).enumerate() {
-            let k = r * ng + gi;
+            let k = flat(r, ng, gi);
             let (Some(&base), min) = (p.scales.get(k), p.mins.get(k).copied()) else {
                 continue;
             };
@@ -554,9 +578,9 @@ pub fn quantize_weighted(
             if let Some(slot) = p.scales.get_mut(k) {
                 *slot = s;
             }
-            if let Some(codes) = p.codes.get_mut(r * rb..(r + 1) * rb) {
+            if let Some(codes) = p.codes.get_mut(row_span(r, rb)) {
                 for (j, &v) in group.iter().enumerate() {
-                    set_nibble(codes, gi * g + j, code(v, s).0);
+                    set_nibble(codes, flat(gi, g, j), code(v, s).0);
                 }
             }
         }
@@ -667,19 +691,22 @@ impl Packed {
     #[must_use]
     pub fn stored_bytes(&self) -> usize {
         let (_, size, _) = self.format.row_params(self.cols);
-        self.codes.len() + self.scales.len() * size + self.mins.len() * 2
+        self.codes
+            .len()
+            .saturating_add(self.scales.len().saturating_mul(size))
+            .saturating_add(self.mins.len().saturating_mul(2))
     }
 
     /// Bytes of the same matrix in f32.
     #[must_use]
     pub fn dense_bytes(&self) -> usize {
-        4 * self.rows * self.cols
+        self.rows.saturating_mul(self.cols).saturating_mul(4)
     }
 
     /// Decodes row `r` into `out` (`cols` values).
     pub(crate) fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.format.row_code_bytes(self.cols);
-        let codes = self.codes.get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+        let codes = self.codes.get(row_span(r, rb)).unwrap_or(&[]);
         let out = out.get_mut(..self.cols).unwrap_or(&mut []);
         match self.format {
             Format::F16 => {
@@ -717,7 +744,7 @@ impl Packed {
             }
             Format::Nf4Block(g) => {
                 let ng = self.cols.div_ceil(g.get());
-                let scales = self.scales.get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+                let scales = self.scales.get(row_span(r, ng)).unwrap_or(&[]);
                 // groups are an even number of weights: each starts on a byte
                 for ((o, c), &s) in out
                     .chunks_mut(g.get())
@@ -729,8 +756,8 @@ impl Packed {
             }
             Format::Int4Block(g) => {
                 let ng = self.cols.div_ceil(g.get());
-                let scales = self.scales.get(r * ng..(r + 1) * ng).unwrap_or(&[]);
-                let mins = self.mins.get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+                let scales = self.scales.get(row_span(r, ng)).unwrap_or(&[]);
+                let mins = self.mins.get(row_span(r, ng)).unwrap_or(&[]);
                 for (((o, c), &s), &m) in out
                     .chunks_mut(g.get())
                     .zip(codes.chunks(g.get() / 2))
@@ -748,11 +775,12 @@ impl Packed {
     /// # Errors
     /// [`Error::Shape`] when `out` has the wrong length.
     pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
-        if out.len() != self.rows * self.cols {
+        let n = self.rows.saturating_mul(self.cols);
+        if out.len() != n {
             return Err(Error::Shape(format!(
                 "output has {} values, need {}",
                 out.len(),
-                self.rows * self.cols
+                n
             )));
         }
         for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
@@ -767,7 +795,7 @@ impl Packed {
     /// # Errors
     /// [`Error::Shape`] when `out` is not a whole number of rows or runs past the end.
     pub fn dequantize_range_into(&self, start: usize, out: &mut [f32]) -> Result<()> {
-        let n = out.len() / self.cols;
+        let n = out.len().checked_div(self.cols).unwrap_or(0);
         if !out.len().is_multiple_of(self.cols) || start.saturating_add(n) > self.rows {
             return Err(Error::Shape(format!(
                 "{} values from row {start} are not whole rows of [{}, {}]",
@@ -777,7 +805,7 @@ impl Packed {
             )));
         }
         for (i, row) in out.chunks_exact_mut(self.cols).enumerate() {
-            self.decode_row(start + i, row);
+            self.decode_row(start.saturating_add(i), row);
         }
         Ok(())
     }
@@ -794,7 +822,7 @@ impl Packed {
                 rows: self.rows,
             });
         }
-        let mut out = vec![0f32; ids.len() * self.cols];
+        let mut out = vec![0f32; ids.len().saturating_mul(self.cols)];
         for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
             self.decode_row(id, row);
         }

@@ -56,8 +56,7 @@ fn constant_store(rows: u64, cols: u64, block_rows: u32) -> (Vec<u8>, Vec<String
     for _ in 0..nb {
         b.extend_from_slice(&block);
     }
-    let hex: String = digest.iter().map(|x| format!("{x:02x}")).collect();
-    (b, vec![hex; nb])
+    (b, vec![compressme_blockstore::hex(&digest); nb])
 }
 
 /// An artifact holding one such tensor `w` `[rows, cols]` f32, every seal valid (the
@@ -71,8 +70,7 @@ fn bomb(path: &Path, rows: u64, cols: u64, block_rows: u32, zero_digest: bool) -
         for _ in 0..dense / (1 << 20) {
             h.update(&zeros);
         }
-        let d: [u8; 32] = h.finalize().into();
-        d.iter().map(|x| format!("{x:02x}")).collect()
+        compressme_blockstore::hex(&h.finalize())
     } else {
         "0".repeat(64)
     };

@@ -1,6 +1,9 @@
 //! The shape and settings of a decoder, read from a Hugging Face `config.json` (as
 //! checkpoints on the Hub write it, and as transformers 5 writes it) or from GGUF metadata.
 //! Settings the forward pass does not implement are refused by name, never run wrongly.
+//! Every size here comes from a file: operations on them are checked or saturating
+//! (`arithmetic_side_effects` is denied).
+#![deny(clippy::arithmetic_side_effects)]
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -360,7 +363,9 @@ impl DecoderConfig {
             heads,
             kv_heads: heads,
             head_dim: hidden.checked_div(heads).unwrap_or(0),
-            intermediate: f.usize_opt(&["n_inner"])?.unwrap_or(4 * hidden),
+            intermediate: f
+                .usize_opt(&["n_inner"])?
+                .unwrap_or(hidden.saturating_mul(4)),
             context: f.usize(&["n_positions", "n_ctx", "max_position_embeddings"])?,
             norm_eps: f.f64_opt(&["layer_norm_epsilon"])?.unwrap_or(1e-5),
             rope_theta: 0.0,
@@ -405,7 +410,9 @@ impl DecoderConfig {
                 self.kv_heads, self.heads
             ));
         }
-        if self.family != Family::Llama && self.heads * self.head_dim != self.hidden {
+        if self.family != Family::Llama
+            && self.heads.checked_mul(self.head_dim) != Some(self.hidden)
+        {
             return Err(format!(
                 "hidden size {} is not a multiple of {} heads",
                 self.hidden, self.heads
@@ -438,21 +445,32 @@ impl DecoderConfig {
         let (h, i, q, kv) = (
             self.hidden as u64,
             self.intermediate as u64,
-            (self.heads * self.head_dim) as u64,
-            (self.kv_heads * self.head_dim) as u64,
+            (self.heads as u64).saturating_mul(self.head_dim as u64),
+            (self.kv_heads as u64).saturating_mul(self.head_dim as u64),
         );
-        let mlp = if self.family == Family::Llama { 3 } else { 2 } * h * i;
-        let block = h * q + 2 * h * kv + q * h + mlp;
+        // saturating: a configuration this large is refused by the weights it lacks
+        let mul = u64::saturating_mul;
+        let mlp = mul(if self.family == Family::Llama { 3 } else { 2 }, mul(h, i));
+        let block = [mul(h, q), mul(2, mul(h, kv)), mul(q, h), mlp]
+            .into_iter()
+            .fold(0, u64::saturating_add);
         let head = if self.tie_embeddings {
             0
         } else {
-            self.vocab as u64 * h
+            mul(self.vocab as u64, h)
         };
         let pos = if self.family == Family::Gpt2 {
-            self.context as u64 * h
+            mul(self.context as u64, h)
         } else {
             0
         };
-        self.vocab as u64 * h + pos + self.layers as u64 * block + head
+        [
+            mul(self.vocab as u64, h),
+            pos,
+            mul(self.layers as u64, block),
+            head,
+        ]
+        .into_iter()
+        .fold(0, u64::saturating_add)
     }
 }

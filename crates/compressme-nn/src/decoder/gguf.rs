@@ -1,7 +1,9 @@
 //! Llama GGUF files as an input: tensors dequantized to f32 under the Hugging Face names
 //! (with llama.cpp's rotary permutation of `attn_q` / `attn_k` undone, as transformers
 //! does), the configuration from the metadata, and the tokenizer from its vocabulary and
-//! merges.
+//! merges. Sizes come from the file: operations on them are checked
+//! (`arithmetic_side_effects` is denied; candle parses the container itself).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek};
@@ -78,12 +80,15 @@ fn hf_name(gguf: &str, heads: usize, kv_heads: usize) -> Option<(String, Option<
 /// Face layout is row `h*2d + 2i + j` of the file.
 fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
     let rows = t.dim(0)?;
-    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+    let Some(d) = heads
+        .checked_mul(2)
+        .filter(|&hh| hh > 0 && rows.is_multiple_of(hh))
+        .and_then(|hh| rows.checked_div(hh))
+    else {
         return Err(Error::Shape(format!(
             "{rows} rows cannot be split into {heads} rotary heads"
         )));
-    }
-    let d = rows / heads / 2;
+    };
     let mut shape = vec![heads, d, 2];
     shape.extend_from_slice(t.dims().get(1..).unwrap_or(&[]));
     let r = t.reshape(shape)?.transpose(1, 2)?.contiguous()?;
@@ -193,8 +198,9 @@ fn byte_alphabet() -> [char; 256] {
         let code = if printable {
             b as u32
         } else {
-            next += 1;
-            next - 1
+            // at most 256 + 256
+            next = next.saturating_add(1);
+            next.saturating_sub(1)
         };
         *slot = char::from_u32(code).unwrap_or('\u{FFFD}');
     }

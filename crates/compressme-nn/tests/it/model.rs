@@ -215,16 +215,7 @@ fn minilm_lossless_word_embeddings_change_nothing() {
     assert!(rb.stored_bytes() < ra.stored_bytes());
 }
 
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(*x) * f64::from(*y))
-        .sum();
-    let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
-}
+use compressme_eval::cosine;
 
 /// Every MiniLM linear quantized: sentence embeddings stay close to the f32 model's.
 #[test]

@@ -454,9 +454,9 @@ fn load_table(path: &Path, name: &str) -> Result<Tensor> {
     )?)
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
+fn median(v: &[Duration]) -> Duration {
+    let m = compressme_eval::median(v.iter().map(Duration::as_secs_f64).collect());
+    Duration::try_from_secs_f64(m).unwrap_or_default()
 }
 
 fn demo(table: &Tensor, opts: &PackOptions, batch: usize, seq: usize, reps: usize) -> Result<()> {
@@ -534,7 +534,7 @@ fn demo(table: &Tensor, opts: &PackOptions, batch: usize, seq: usize, reps: usiz
         ti.push(t0.elapsed());
         std::hint::black_box((a, b));
     }
-    let (mp, mi) = (median(tp), median(ti));
+    let (mp, mi) = (median(&tp), median(&ti));
     println!(
         "  lookup of {batch}x{seq} random ids: packed {:.3} ms, index_select {:.3} ms, ratio {:.2}x (median of {reps})",
         mp.as_secs_f64() * 1e3,

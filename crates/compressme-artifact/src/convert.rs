@@ -1,0 +1,168 @@
+//! Conversion: dtypes to the block store's value kinds and row views, float bytes to and
+//! from f32, and [`unpack`] (an artifact back to a plain safetensors file). Sizes come from
+//! the file: every operation on one is checked (`arithmetic_side_effects` is denied).
+#![deny(clippy::arithmetic_side_effects)]
+
+use std::path::Path;
+
+use sha2::Digest;
+
+use compressme_blockstore::ValueKind;
+
+use crate::read::{Artifact, Streamed, Summary, check_digest};
+use crate::recipe::StorageRecipe;
+use crate::st::{AtomicFile, Dtype, Planned, header_bytes};
+use crate::validate::decoded_bytes;
+use crate::{Error, Result};
+
+/// The block store's value kind for a dtype.
+#[must_use]
+pub fn value_kind(dtype: Dtype) -> ValueKind {
+    use compressme_shuffle::ElementSize;
+    match dtype {
+        Dtype::F32 => ValueKind::F32,
+        Dtype::Bf16 => ValueKind::Bf16,
+        Dtype::F16 => ValueKind::F16,
+        Dtype::F64 => ValueKind::F64,
+        d => ValueKind::Bytes(match d.size() {
+            2 => ElementSize::Two,
+            4 => ElementSize::Four,
+            8 => ElementSize::Eight,
+            _ => ElementSize::One,
+        }),
+    }
+}
+
+/// The `[rows, row_bytes]` view a tensor is blocked by: the first dimension, or one row.
+#[must_use]
+pub fn row_view(dtype: Dtype, shape: &[usize]) -> (u64, u64) {
+    let numel: u64 = shape.iter().map(|&d| d as u64).product();
+    let rows = if shape.len() >= 2 {
+        shape.first().copied().unwrap_or(1) as u64
+    } else {
+        1
+    };
+    let row_bytes = numel
+        .checked_div(rows)
+        .unwrap_or(0)
+        .saturating_mul(dtype.size() as u64);
+    (rows, row_bytes)
+}
+
+/// Little-endian float bytes as f32 values.
+#[must_use]
+pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// f32 values as little-endian bytes of `dtype` (round to nearest even).
+#[must_use]
+pub fn from_f32(dtype: Dtype, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        Dtype::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        Dtype::Bf16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        Dtype::F64 => values
+            .iter()
+            .flat_map(|v| f64::from(*v).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// Writes a plain safetensors file from an artifact: every tensor under its own name and
+/// dtype, byte-identical to the original for dense and lossless storage (dequantized for
+/// quantized tensors), with the source's `__metadata__`. Streams a tensor at a time;
+/// written beside `dest` and renamed when complete.
+///
+/// # Errors
+/// Any read or verification error (nothing is left at `dest`).
+pub fn unpack(
+    artifact: &mut Artifact,
+    dest: &Path,
+    mut progress: impl FnMut(&str, u64),
+) -> Result<Summary> {
+    let tensors = artifact.recipe().tensors.clone();
+    let planned: Vec<Planned> = tensors
+        .iter()
+        .map(|t| {
+            let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
+            Planned {
+                name: t.name.clone(),
+                dtype,
+                shape: t.shape.clone(),
+                // bounded by the limits `Artifact::open` checked
+                len: decoded_bytes(t).unwrap_or(u64::MAX),
+            }
+        })
+        .collect();
+    let header = header_bytes(&planned, &artifact.recipe().source_metadata)?;
+    let mut out = AtomicFile::create(dest)?;
+    out.write_all(&header)?;
+    let mut s = Summary::default();
+    for (t, p) in tensors.iter().zip(&planned) {
+        // a piece at a time: the digest on one core while the other writes; a mismatch
+        // abandons the file before it is renamed
+        // lossless bytes hashed as they are written (dense ones were checked on reading)
+        let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
+        let mut h = sha2::Sha256::new();
+        let mut got = 0u64;
+        let streamed = artifact.stream_tensor(&t.name, |piece| {
+            got = got.saturating_add(piece.len() as u64);
+            if got > p.len {
+                return Err(Error::Invalid {
+                    tensor: t.name.clone(),
+                    reason: format!("decodes to more than {} bytes", p.len),
+                });
+            }
+            if !lossless {
+                return out.write_all(piece);
+            }
+            let ((), written) = rayon::join(|| h.update(piece), || out.write_all(piece));
+            written
+        })?;
+        if got != p.len {
+            return Err(Error::Invalid {
+                tensor: t.name.clone(),
+                reason: format!("decoded {got} bytes, expected {}", p.len),
+            });
+        }
+        if streamed == Streamed::Decoded {
+            check_digest(t, h)?;
+        }
+        s.tensors = s.tensors.saturating_add(1);
+        s.dense_bytes = s.dense_bytes.saturating_add(p.len);
+        if streamed != Streamed::Dequantized {
+            s.lossless = s.lossless.saturating_add(1);
+        } else {
+            s.quantized = s.quantized.saturating_add(1);
+        }
+        progress(&t.name, p.len);
+    }
+    out.commit()?;
+    s.file_bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
+    Ok(s)
+}

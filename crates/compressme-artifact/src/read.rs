@@ -1,0 +1,485 @@
+//! Reading: [`Artifact::open`] (everything [`crate::validate`] checks, before any payload
+//! is read), tensors as stored or decoded, each verified as it is read, and
+//! [`Artifact::verify`], which streams every tensor a piece at a time. Sizes come from the
+//! file: every operation on one is checked (`arithmetic_side_effects` is denied).
+#![deny(clippy::arithmetic_side_effects)]
+
+use std::path::Path;
+
+use rayon::prelude::*;
+use sha2::Digest;
+
+use compressme_blockstore::BlockStore;
+use compressme_quant::{Format, Packed};
+
+use crate::convert::{from_f32, to_f32, value_kind};
+use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, hex, sha256_hex};
+use crate::st::{Dtype, Entry, Limits, SafetensorsFile};
+use crate::validate::{
+    blocks_name, check_decoded, codes_name, decoded_bytes, mins_name, payload_names, scales_name,
+};
+use crate::{Error, Result};
+
+/// What a verification checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Summary {
+    /// Original tensors.
+    pub tensors: usize,
+    /// Of them, stored losslessly in blocks.
+    pub lossless: usize,
+    /// Of them, quantized.
+    pub quantized: usize,
+    /// Of them, dense.
+    pub dense: usize,
+    /// Blocks whose digest was checked.
+    pub blocks: usize,
+    /// Bytes the originals take.
+    pub dense_bytes: u64,
+    /// Bytes of the payload tensors.
+    pub stored_bytes: u64,
+    /// Bytes of the file.
+    pub file_bytes: u64,
+}
+
+/// A tensor as the artifact stores it.
+#[derive(Debug)]
+pub enum Stored {
+    /// The original bytes.
+    Dense(Vec<u8>),
+    /// Verified row blocks.
+    Lossless(BlockStore),
+    /// Packed codes and scales.
+    Quantized(Packed),
+}
+
+/// An open artifact: header, recipe and payload checked against each other before any
+/// payload is read.
+#[derive(Debug)]
+pub struct Artifact {
+    file: SafetensorsFile,
+    recipe: Recipe,
+    file_bytes: u64,
+    limits: Limits,
+}
+
+impl Artifact {
+    /// Opens an artifact and checks, before reading any payload: the safetensors header
+    /// (every size against `limits`), the format name and version, the recipe's fields,
+    /// and that the recipe and the payload tensors match one to one (names, dtypes,
+    /// lengths, block counts).
+    ///
+    /// # Errors
+    /// [`Error::NotSafetensors`], [`Error::TooLarge`], [`Error::NotArtifact`],
+    /// [`Error::UnsupportedVersion`], [`Error::Recipe`] naming the tensor.
+    pub fn open(path: &Path, limits: &Limits) -> Result<Self> {
+        let file = SafetensorsFile::open(path, limits)?;
+        let file_bytes = std::fs::metadata(path)
+            .map_err(|source| Error::Io {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .len();
+        let recipe = crate::validate::recipe(path, &file, limits)?;
+        Ok(Self {
+            file,
+            recipe,
+            file_bytes,
+            limits: *limits,
+        })
+    }
+
+    /// The recipe.
+    #[must_use]
+    pub fn recipe(&self) -> &Recipe {
+        &self.recipe
+    }
+
+    /// The file's payload tensors.
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        self.file.entries()
+    }
+
+    /// Bytes of the file.
+    #[must_use]
+    pub fn file_bytes(&self) -> u64 {
+        self.file_bytes
+    }
+
+    /// The recipe entry of `name`.
+    #[must_use]
+    pub fn tensor(&self, name: &str) -> Option<&TensorRecipe> {
+        self.recipe.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Bytes of the payload tensors that store `t`.
+    #[must_use]
+    pub fn stored_bytes(&self, t: &TensorRecipe) -> u64 {
+        payload_names(t)
+            .iter()
+            .filter_map(|n| self.file.entry(n))
+            .map(Entry::len)
+            .sum()
+    }
+
+    /// What tensor `t` decodes to and what its payload stores, in bytes: their ratio is
+    /// what [`Limits::max_expansion`] bounds (beyond about 20x only constant byte planes
+    /// get; `inspect` warns there).
+    #[must_use]
+    pub fn expansion(&self, t: &TensorRecipe) -> (u64, u64) {
+        (decoded_bytes(t).unwrap_or(u64::MAX), self.stored_bytes(t))
+    }
+
+    /// Whether `limits`' decoded-size bounds accept this artifact (what
+    /// [`Artifact::open`] checks), without opening it again: `inspect` opens without
+    /// them and reports what they would do.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`], [`Error::Expansion`].
+    pub fn check_limits(&self, limits: &Limits) -> Result<()> {
+        check_decoded(self.file.path(), &self.file, &self.recipe, limits)
+    }
+
+    fn read_entry(&mut self, name: &str) -> Result<Vec<u8>> {
+        let e = self
+            .file
+            .entry(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor(name.into()))?;
+        self.file.read(&e)
+    }
+
+    /// Payload `name` as f32 values (empty when the format has none), its stored bytes
+    /// fed to `digest`.
+    fn read_floats(&mut self, name: &str, digest: &mut sha2::Sha256) -> Result<Vec<f32>> {
+        let Some(e) = self.file.entry(name).cloned() else {
+            return Ok(Vec::new());
+        };
+        let bytes = self.file.read(&e)?;
+        digest.update(&bytes);
+        Ok(to_f32(e.dtype, &bytes))
+    }
+
+    /// Reads tensor `name` as stored, verified: dense bytes against the recipe's
+    /// whole-tensor SHA-256; lossless blocks against their digests and against the
+    /// recipe's block digests (the same block size and count); packed buffers against
+    /// the recipe's payload digest and their format.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Digest`] naming the block, [`Error::Blocks`],
+    /// [`Error::Quant`], [`Error::Io`].
+    pub fn read_stored(&mut self, name: &str) -> Result<Stored> {
+        let t = self
+            .tensor(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor(name.into()))?;
+        match &t.storage {
+            StorageRecipe::Dense => {
+                // a dense tensor's only seal is its whole-tensor digest: checked on every
+                // read, as lossless blocks are
+                let bytes = self.read_entry(name)?;
+                self.check_whole(name, &bytes)?;
+                Ok(Stored::Dense(bytes))
+            }
+            StorageRecipe::Lossless {
+                rows,
+                row_bytes,
+                block_rows,
+                block_sha256,
+                ..
+            } => {
+                let blob = self.read_entry(&blocks_name(name))?;
+                let store = BlockStore::from_bytes(&blob).map_err(|source| Error::Blocks {
+                    tensor: name.into(),
+                    source,
+                })?;
+                let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
+                // every recipe digest pairs with one block: the same block size and count
+                if store.rows() != *rows
+                    || store.row_bytes() as u64 != *row_bytes
+                    || store.kind() != value_kind(dtype)
+                    || store.block_rows() != *block_rows
+                    || store.num_blocks() != block_sha256.len()
+                {
+                    return Err(Error::Invalid {
+                        tensor: name.into(),
+                        reason: "block store shape or kind differs from the recipe".into(),
+                    });
+                }
+                for (i, (d, want)) in store.block_digests().iter().zip(block_sha256).enumerate() {
+                    if hex(d) != *want {
+                        return Err(Error::Digest {
+                            tensor: name.into(),
+                            what: format!("block {i} (recipe)"),
+                        });
+                    }
+                }
+                Ok(Stored::Lossless(store))
+            }
+            StorageRecipe::Quant {
+                format,
+                rows,
+                cols,
+                payload_sha256,
+            } => {
+                let format = Format::parse(format).map_err(|source| Error::Quant {
+                    tensor: name.into(),
+                    source,
+                })?;
+                let mut digest = sha2::Sha256::new();
+                let codes = self.read_entry(&codes_name(name))?;
+                digest.update(&codes);
+                let scales = self.read_floats(&scales_name(name), &mut digest)?;
+                let mins = self.read_floats(&mins_name(name), &mut digest)?;
+                let d: [u8; 32] = digest.finalize().into();
+                if hex(&d) != *payload_sha256 {
+                    return Err(Error::Digest {
+                        tensor: name.into(),
+                        what: "packed codes and scales".into(),
+                    });
+                }
+                let packed = Packed::from_parts(format, *rows, *cols, codes, scales, mins)
+                    .map_err(|source| Error::Quant {
+                        tensor: name.into(),
+                        source,
+                    })?;
+                Ok(Stored::Quantized(packed))
+            }
+        }
+    }
+
+    /// The original bytes of a tensor stored dense or lossless (checked against the
+    /// recipe's whole-tensor SHA-256), or the dequantized values in the original dtype
+    /// for a quantized one (`lossless` false).
+    ///
+    /// # Errors
+    /// As [`Artifact::read_stored`], and [`Error::Digest`] for a whole-tensor mismatch.
+    pub fn read_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
+        let lossless = matches!(
+            self.tensor(name).map(|t| &t.storage),
+            Some(StorageRecipe::Lossless { .. })
+        );
+        let (bytes, exact) = self.decode_tensor(name)?;
+        // dense bytes were checked as they were read
+        if exact && lossless {
+            self.check_whole(name, &bytes)?;
+        }
+        Ok((bytes, exact))
+    }
+
+    /// Checks bytes against the recipe's whole-tensor SHA-256 of `name`.
+    fn check_whole(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        let want = self.tensor(name).and_then(|t| t.sha256.as_deref());
+        if want != Some(sha256_hex(bytes).as_str()) {
+            return Err(Error::Digest {
+                tensor: name.into(),
+                what: "whole tensor".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Artifact::read_tensor`] without the whole-tensor check (block digests are still
+    /// checked): the caller checks it, e.g. while writing the bytes out.
+    fn decode_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
+        let t = self
+            .tensor(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor(name.into()))?;
+        let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
+        let (bytes, exact) = match self.read_stored(name)? {
+            Stored::Dense(b) => (b, true),
+            Stored::Lossless(store) => (
+                store.decode_all().map_err(|source| Error::Blocks {
+                    tensor: name.into(),
+                    source,
+                })?,
+                true,
+            ),
+            Stored::Quantized(p) => {
+                let n = p
+                    .rows()
+                    .checked_mul(p.cols())
+                    .ok_or_else(|| Error::Invalid {
+                        tensor: name.into(),
+                        reason: "rows x cols overflows".into(),
+                    })?;
+                let mut v = vec![0f32; n];
+                p.dequantize_into(&mut v).map_err(|source| Error::Quant {
+                    tensor: name.into(),
+                    source,
+                })?;
+                (from_f32(dtype, &v), false)
+            }
+        };
+        Ok((bytes, exact))
+    }
+
+    /// Calls `sink` with the tensor's decoded bytes in order, at most [`STREAM_BYTES`]
+    /// (or one block) at a time, blocks decoded in parallel within each piece, and says
+    /// what is left to check (see [`Streamed`]). Memory stays bounded whatever the
+    /// tensor's size.
+    ///
+    /// # Errors
+    /// As [`Artifact::read_stored`], and `sink`'s.
+    pub(crate) fn stream_tensor(
+        &mut self,
+        name: &str,
+        mut sink: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<Streamed> {
+        let t = self
+            .tensor(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor(name.into()))?;
+        let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
+        let blocks_err = |source| Error::Blocks {
+            tensor: name.into(),
+            source,
+        };
+        match self.read_stored(name)? {
+            Stored::Dense(b) => {
+                sink(&b)?;
+                Ok(Streamed::Verified)
+            }
+            Stored::Lossless(store) => {
+                let (rb, br) = (store.row_bytes(), store.block_rows());
+                let block_bytes = rb.saturating_mul(br);
+                if block_bytes == 0 {
+                    return Ok(Streamed::Decoded);
+                }
+                let per = STREAM_BYTES.checked_div(block_bytes).unwrap_or(1).max(1);
+                let (nb, rows) = (store.num_blocks(), store.rows());
+                let mut buf = Vec::new();
+                let mut b0 = 0;
+                while b0 < nb {
+                    let b1 = b0.saturating_add(per).min(nb);
+                    let r0 = (b0 as u64).saturating_mul(br as u64);
+                    let r1 = (b1 as u64).saturating_mul(br as u64).min(rows);
+                    let len = usize::try_from(r1.saturating_sub(r0))
+                        .ok()
+                        .and_then(|r| r.checked_mul(rb))
+                        .ok_or_else(|| Error::Invalid {
+                            tensor: name.into(),
+                            reason: "block range overflows".into(),
+                        })?;
+                    buf.resize(len, 0);
+                    buf.par_chunks_mut(block_bytes)
+                        .enumerate()
+                        .try_for_each_init(
+                            || store.decoder(),
+                            |dec, (i, dst)| dec.decode_block(b0.saturating_add(i), dst).map(drop),
+                        )
+                        .map_err(blocks_err)?;
+                    sink(&buf)?;
+                    b0 = b1;
+                }
+                Ok(Streamed::Decoded)
+            }
+            Stored::Quantized(p) => {
+                let cols = p.cols().max(1);
+                let per = STREAM_BYTES
+                    .checked_div(cols.saturating_mul(4))
+                    .unwrap_or(1)
+                    .max(1);
+                let mut v = Vec::new();
+                let mut r0 = 0;
+                while r0 < p.rows() {
+                    let r1 = r0.saturating_add(per).min(p.rows());
+                    // r1 - r0 rows of a packed tensor whose rows x cols was checked
+                    v.resize(r1.saturating_sub(r0).saturating_mul(p.cols()), 0f32);
+                    p.dequantize_range_into(r0, &mut v)
+                        .map_err(|source| Error::Quant {
+                            tensor: name.into(),
+                            source,
+                        })?;
+                    sink(&from_f32(dtype, &v))?;
+                    r0 = r1;
+                }
+                Ok(Streamed::Dequantized)
+            }
+        }
+    }
+
+    /// Verifies every tensor: each block's digest (and the recipe's copy of it), the
+    /// whole-tensor SHA-256 of what dense and lossless tensors decode to, and every
+    /// packed tensor's buffers. Decodes a piece at a time ([`STREAM_BYTES`]), never a
+    /// whole tensor, under the limits the artifact was opened with.
+    ///
+    /// # Errors
+    /// The first failure, naming the tensor (and block).
+    pub fn verify(&self) -> Result<Summary> {
+        let mut me = Self {
+            file: SafetensorsFile::open(self.file.path(), &self.limits)?,
+            recipe: self.recipe.clone(),
+            file_bytes: self.file_bytes,
+            limits: self.limits,
+        };
+        let mut s = Summary {
+            file_bytes: self.file_bytes,
+            ..Summary::default()
+        };
+        for t in &self.recipe.tensors {
+            s.tensors = s.tensors.saturating_add(1);
+            let want = decoded_bytes(t).unwrap_or(u64::MAX);
+            s.dense_bytes = s.dense_bytes.saturating_add(want);
+            s.stored_bytes = s.stored_bytes.saturating_add(me.stored_bytes(t));
+            match &t.storage {
+                StorageRecipe::Dense => s.dense = s.dense.saturating_add(1),
+                StorageRecipe::Lossless { block_sha256, .. } => {
+                    s.lossless = s.lossless.saturating_add(1);
+                    s.blocks = s.blocks.saturating_add(block_sha256.len());
+                }
+                StorageRecipe::Quant { .. } => s.quantized = s.quantized.saturating_add(1),
+            }
+            // only lossless bytes are hashed here: dense bytes were checked as they were
+            // read, and packed buffers against their payload digest
+            let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
+            let mut h = sha2::Sha256::new();
+            let mut got = 0u64;
+            let streamed = me.stream_tensor(&t.name, |b| {
+                if lossless {
+                    h.update(b);
+                }
+                got = got.saturating_add(b.len() as u64);
+                Ok(())
+            })?;
+            if got != want {
+                return Err(Error::Invalid {
+                    tensor: t.name.clone(),
+                    reason: format!("decoded {got} bytes, expected {want}"),
+                });
+            }
+            if streamed == Streamed::Decoded {
+                check_digest(t, h)?;
+            }
+        }
+        Ok(s)
+    }
+}
+
+/// Decoded bytes a streaming read ([`Artifact::verify`], [`unpack`]) holds at once.
+pub const STREAM_BYTES: usize = 64 << 20;
+
+/// What a streaming read of one tensor leaves to its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Streamed {
+    /// Dense bytes, already checked against the whole-tensor digest as they were read.
+    Verified,
+    /// Lossless bytes (every block checked): the whole-tensor digest is the caller's.
+    Decoded,
+    /// Dequantized values (the packed buffers were checked against their digest).
+    Dequantized,
+}
+
+/// The whole-tensor digest of `t` against what `h` was fed.
+pub(crate) fn check_digest(t: &TensorRecipe, h: sha2::Sha256) -> Result<()> {
+    let d: [u8; 32] = h.finalize().into();
+    if t.sha256.as_deref() == Some(hex(&d).as_str()) {
+        Ok(())
+    } else {
+        Err(Error::Digest {
+            tensor: t.name.clone(),
+            what: "whole tensor".into(),
+        })
+    }
+}

@@ -1,0 +1,452 @@
+//! Writing: [`Writer`] adds tensors one at a time, spooling payloads to a temporary
+//! data file, and [`Writer::finish`] writes the header, reopens and verifies the file,
+//! and renames it into place.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use sha2::Digest;
+
+use compressme_blockstore::{BlockStore, Coder, EncodeOptions};
+use compressme_quant::Format;
+
+use crate::convert::{row_view, to_f32, value_kind};
+use crate::read::{Artifact, Summary};
+use crate::recipe::{
+    FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe, TensorRecipe,
+    VERSION, VERSION_KEY, hex, sha256_hex,
+};
+use crate::st::{AtomicFile, Dtype, Limits, Planned, header_bytes};
+use crate::validate::{blocks_name, codes_name, mins_name, scales_name};
+use crate::{Error, Result};
+
+/// What happened to one tensor when it was added.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Added {
+    /// The tensor.
+    pub name: String,
+    /// `dense`, `lossless` or a format name.
+    pub storage: String,
+    /// Bytes of the original.
+    pub dense_bytes: u64,
+    /// Bytes of its payload tensors.
+    pub stored_bytes: u64,
+    /// When lossless packing was asked for but would have grown the tensor.
+    pub kept_dense: bool,
+}
+
+/// Writes an artifact a tensor at a time: payloads go to a temporary data file as they
+/// come, so memory holds one tensor; [`Writer::finish`] writes the header, copies the
+/// data, verifies everything it wrote and only then renames the file into place.
+/// Dropping an unfinished writer leaves nothing behind.
+#[derive(Debug)]
+pub struct Writer {
+    dest: PathBuf,
+    data: AtomicFile,
+    planned: Vec<Planned>,
+    tensors: Vec<TensorRecipe>,
+    names: HashSet<String>,
+    recipe: Recipe,
+}
+
+impl Writer {
+    /// Starts an artifact that will be written to `dest`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the folder is not writable.
+    pub fn create(dest: &Path) -> Result<Self> {
+        let data_path = dest.with_extension("data");
+        Ok(Self {
+            dest: dest.to_path_buf(),
+            data: AtomicFile::create(&data_path)?,
+            planned: Vec::new(),
+            tensors: Vec::new(),
+            names: HashSet::new(),
+            recipe: Recipe {
+                format: FORMAT_NAME.into(),
+                version: VERSION,
+                tool: concat!("compressme ", env!("CARGO_PKG_VERSION")).into(),
+                tensors: Vec::new(),
+                output_head_policy: None,
+                plan_sha256: None,
+                calibration_sha256: None,
+                tokenizer_sha256: None,
+                source_metadata: BTreeMap::new(),
+            },
+        })
+    }
+
+    /// The recipe's optional fields (policy, hashes, source metadata) to be written.
+    pub fn recipe_mut(&mut self) -> &mut Recipe {
+        &mut self.recipe
+    }
+
+    fn claim(&mut self, name: &str) -> Result<()> {
+        if name.starts_with("cm.") || name == "__metadata__" {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: "names starting with `cm.` are reserved for payloads".into(),
+            });
+        }
+        if !self.names.insert(name.to_string()) {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: "added twice".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, name: String, dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Result<()> {
+        self.data.write_all(bytes)?;
+        self.planned.push(Planned {
+            name,
+            dtype,
+            shape,
+            len: bytes.len() as u64,
+        });
+        Ok(())
+    }
+
+    fn check_size(name: &str, dtype: Dtype, shape: &[usize], bytes: &[u8]) -> Result<()> {
+        let want = shape
+            .iter()
+            .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d as u64));
+        if want != Some(bytes.len() as u64) {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: format!(
+                    "{} bytes for shape {shape:?} of {}",
+                    bytes.len(),
+                    dtype.name()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Stores a tensor as it is.
+    ///
+    /// # Errors
+    /// A reserved or repeated name, bytes that do not fit the shape, [`Error::Io`].
+    pub fn add_dense(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+    ) -> Result<Added> {
+        Self::check_size(name, dtype, shape, bytes)?;
+        self.claim(name)?;
+        self.push(name.into(), dtype, shape.to_vec(), bytes)?;
+        self.tensors.push(TensorRecipe {
+            name: name.into(),
+            dtype: dtype.name().into(),
+            shape: shape.to_vec(),
+            sha256: Some(sha256_hex(bytes)),
+            storage: StorageRecipe::Dense,
+        });
+        Ok(Added {
+            name: name.into(),
+            storage: "dense".into(),
+            dense_bytes: bytes.len() as u64,
+            stored_bytes: bytes.len() as u64,
+            kept_dense: false,
+        })
+    }
+
+    /// Stores a tensor losslessly in row blocks when that is smaller, else as it is.
+    /// The block store checks every block against the input as it is built.
+    ///
+    /// # Errors
+    /// As [`Writer::add_dense`], and block store errors for bad options.
+    pub fn add_lossless(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        block_rows: usize,
+        coder: Coder,
+    ) -> Result<Added> {
+        self.add_lossless_indexed(name, dtype, shape, bytes, block_rows, coder, false)
+    }
+
+    /// [`Writer::add_lossless`], with Huffman-coded planes row-indexed when `row_index`
+    /// (plane mode 32 + t: a lookup decodes only the rows it asks for, for a few tenths
+    /// of a percent more bytes).
+    ///
+    /// # Errors
+    /// As [`Writer::add_lossless`].
+    #[allow(clippy::too_many_arguments)] // add_lossless's, and the one option it adds
+    pub fn add_lossless_indexed(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        block_rows: usize,
+        coder: Coder,
+        row_index: bool,
+    ) -> Result<Added> {
+        Self::check_size(name, dtype, shape, bytes)?;
+        let (rows, row_bytes) = row_view(dtype, shape);
+        if bytes.is_empty() {
+            let mut a = self.add_dense(name, dtype, shape, bytes)?;
+            a.kept_dense = true;
+            return Ok(a);
+        }
+        let kind = value_kind(dtype);
+        let opts = EncodeOptions::new(kind)
+            .block_rows(block_rows)
+            .coder(coder)
+            .row_index(row_index);
+        let store =
+            BlockStore::encode(bytes, rows, row_bytes as usize, &opts).map_err(|source| {
+                Error::Blocks {
+                    tensor: name.into(),
+                    source,
+                }
+            })?;
+        let index = store.index_bytes();
+        let blob_len = index.len() + store.payload().len();
+        if blob_len >= bytes.len() {
+            let mut a = self.add_dense(name, dtype, shape, bytes)?;
+            a.kept_dense = true;
+            return Ok(a);
+        }
+        self.claim(name)?;
+        // index and payload written in turn: the payload is never copied
+        self.data.write_all(&index)?;
+        self.data.write_all(store.payload())?;
+        self.planned.push(Planned {
+            name: blocks_name(name),
+            dtype: Dtype::U8,
+            shape: vec![blob_len],
+            len: blob_len as u64,
+        });
+        self.tensors.push(TensorRecipe {
+            name: name.into(),
+            dtype: dtype.name().into(),
+            shape: shape.to_vec(),
+            sha256: Some(sha256_hex(bytes)),
+            storage: StorageRecipe::Lossless {
+                block_rows,
+                rows,
+                row_bytes,
+                coder: match coder {
+                    Coder::Zstd { level } => format!("zstd-{level}"),
+                    _ => "huffman".into(),
+                },
+                row_index,
+                element_size: dtype.size(),
+                block_sha256: store.block_digests().iter().map(|d| hex(d)).collect(),
+            },
+        });
+        Ok(Added {
+            name: name.into(),
+            storage: "lossless".into(),
+            dense_bytes: bytes.len() as u64,
+            stored_bytes: blob_len as u64,
+            kept_dense: false,
+        })
+    }
+
+    /// Stores a 2-D (or higher: rows are the first dimension) float tensor quantized.
+    ///
+    /// # Errors
+    /// As [`Writer::add_dense`], a tensor that is not float or has fewer than 2
+    /// dimensions, and quantization errors (non-finite weights).
+    pub fn add_quantized(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        format: Format,
+    ) -> Result<Added> {
+        self.add_quantized_weighted(name, dtype, shape, bytes, format, &[])
+    }
+
+    /// [`Writer::add_quantized`] with activation-aware rounding for the blockwise 4-bit
+    /// formats (`importance`: one weight per column, e.g. the per-channel mean x² of the
+    /// layer's input; empty for plain absmax), see `compressme_quant::quantize_weighted`.
+    ///
+    /// # Errors
+    /// As [`Writer::add_quantized`].
+    pub fn add_quantized_weighted(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        format: Format,
+        importance: &[f32],
+    ) -> Result<Added> {
+        Self::check_size(name, dtype, shape, bytes)?;
+        if !dtype.is_float() || shape.len() < 2 {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: format!(
+                    "only float tensors of 2 or more dimensions are quantized ({} {shape:?})",
+                    dtype.name()
+                ),
+            });
+        }
+        let rows = shape.first().copied().unwrap_or(0);
+        let cols = shape.iter().skip(1).product::<usize>();
+        let values = to_f32(dtype, bytes);
+        let packed = compressme_quant::quantize_weighted(&values, rows, cols, format, importance)
+            .map_err(|source| Error::Quant {
+            tensor: name.into(),
+            source,
+        })?;
+        let mut added = self.add_packed(name, dtype, shape, &packed)?;
+        added.dense_bytes = bytes.len() as u64;
+        Ok(added)
+    }
+
+    /// Stores weights already quantized (a model's packed layer, as it is: no
+    /// re-quantization) for an original tensor of `dtype` and `shape` (rows are the first
+    /// dimension).
+    ///
+    /// # Errors
+    /// As [`Writer::add_dense`]; a shape that does not match the packed rows and columns.
+    pub fn add_packed(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        packed: &compressme_quant::Packed,
+    ) -> Result<Added> {
+        let rows = shape.first().copied().unwrap_or(0);
+        let cols = shape.iter().skip(1).product::<usize>();
+        if shape.len() < 2 || (rows, cols) != (packed.rows(), packed.cols()) || !dtype.is_float() {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: format!(
+                    "packed {} x {} weights do not fit a {} {shape:?} tensor",
+                    packed.rows(),
+                    packed.cols(),
+                    dtype.name()
+                ),
+            });
+        }
+        let format = packed.format();
+        self.claim(name)?;
+        let before: u64 = self.planned.iter().map(|p| p.len).sum();
+        let mut digest = sha2::Sha256::new();
+        self.push(
+            codes_name(name),
+            Dtype::U8,
+            vec![packed.codes().len()],
+            packed.codes(),
+        )?;
+        digest.update(packed.codes());
+        let group = format.group().is_some();
+        if !packed.scales().is_empty() {
+            let (dt, b) = scale_bytes(packed.scales(), group);
+            self.push(scales_name(name), dt, vec![packed.scales().len()], &b)?;
+            digest.update(&b);
+        }
+        if !packed.mins().is_empty() {
+            let (dt, b) = scale_bytes(packed.mins(), true);
+            self.push(mins_name(name), dt, vec![packed.mins().len()], &b)?;
+            digest.update(&b);
+        }
+        let d: [u8; 32] = digest.finalize().into();
+        let after: u64 = self.planned.iter().map(|p| p.len).sum();
+        self.tensors.push(TensorRecipe {
+            name: name.into(),
+            dtype: dtype.name().into(),
+            shape: shape.to_vec(),
+            sha256: None,
+            storage: StorageRecipe::Quant {
+                format: format.to_string(),
+                rows,
+                cols,
+                payload_sha256: hex(&d),
+            },
+        });
+        Ok(Added {
+            name: name.into(),
+            storage: format.to_string(),
+            dense_bytes: (rows * cols * dtype.size()) as u64,
+            stored_bytes: after - before,
+            kept_dense: false,
+        })
+    }
+
+    /// Writes the file: header, then the payloads; reopens it, checks the recipe against
+    /// the payload and verifies every tensor (block digests, whole-tensor SHA-256 of what
+    /// the blocks decode to, packed buffers); then renames it into place.
+    ///
+    /// # Errors
+    /// [`Error::Io`], and any verification failure (the file is then removed).
+    pub fn finish(mut self) -> Result<Summary> {
+        self.data.sync()?;
+        let mut recipe = self.recipe.clone();
+        let mut order: Vec<usize> = (0..self.tensors.len()).collect();
+        order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
+        recipe.tensors = order.iter().map(|&i| self.tensors[i].clone()).collect();
+        let mut metadata = BTreeMap::new();
+        metadata.insert(FORMAT_KEY.to_string(), FORMAT_NAME.to_string());
+        metadata.insert(VERSION_KEY.to_string(), VERSION.to_string());
+        let json = serde_json::to_string(&recipe).map_err(|e| Error::Recipe {
+            path: self.dest.clone(),
+            reason: e.to_string(),
+        })?;
+        metadata.insert(RECIPE_SHA_KEY.to_string(), sha256_hex(json.as_bytes()));
+        metadata.insert(RECIPE_KEY.to_string(), json);
+        let header = header_bytes(&self.planned, &metadata)?;
+        let mut out = AtomicFile::create(&self.dest)?;
+        out.write_all(&header)?;
+        let data_path = self.data.tmp_path().to_path_buf();
+        let mut data = File::open(&data_path).map_err(|source| Error::Io {
+            path: data_path.clone(),
+            source,
+        })?;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = data.read(&mut buf).map_err(|source| Error::Io {
+                path: data_path.clone(),
+                source,
+            })?;
+            if n == 0 {
+                break;
+            }
+            out.write_all(buf.get(..n).unwrap_or(&[]))?;
+        }
+        drop(data);
+        drop(self.data); // removes the data file
+        out.sync()?;
+        // the writer's own check is not bounded by the decoded-size limits (it encoded
+        // these bytes itself); a reader's default limits may refuse a degenerate tensor,
+        // which `Artifact::expansion` lets the caller warn about
+        let unbounded = Limits {
+            max_decoded_tensor: u64::MAX,
+            max_decoded_total: u64::MAX,
+            max_expansion: u64::MAX,
+            ..Limits::default()
+        };
+        let artifact = Artifact::open(out.tmp_path(), &unbounded)?;
+        let summary = artifact.verify()?;
+        out.commit()?;
+        Ok(summary)
+    }
+}
+
+fn scale_bytes(v: &[f32], as_f16: bool) -> (Dtype, Vec<u8>) {
+    if as_f16 {
+        (
+            Dtype::F16,
+            v.iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
+        )
+    } else {
+        (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
