@@ -36,7 +36,7 @@ pub fn value_kind(dtype: Dtype) -> ValueKind {
 /// The `[rows, row_bytes]` view a tensor is blocked by: the first dimension, or one row.
 #[must_use]
 pub fn row_view(dtype: Dtype, shape: &[usize]) -> (u64, u64) {
-    let numel: u64 = shape.iter().map(|&d| d as u64).product();
+    let numel = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d as u64));
     let rows = if shape.len() >= 2 {
         shape.first().copied().unwrap_or(1) as u64
     } else {

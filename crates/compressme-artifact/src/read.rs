@@ -119,7 +119,7 @@ impl Artifact {
             .iter()
             .filter_map(|n| self.file.entry(n))
             .map(Entry::len)
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 
     /// What tensor `t` decodes to and what its payload stores, in bytes: their ratio is

@@ -551,7 +551,7 @@ pub fn planned_bytes(
                     .unwrap_or(dense_bytes(s.rows, s.cols)),
             )
         })
-        .sum()
+        .try_fold(0u64, |total, b| Some(total.saturating_add(b?)))
 }
 
 fn estimated_error(profile: &Profile, modules: &BTreeMap<String, Choice>) -> Option<f64> {
@@ -597,7 +597,7 @@ pub fn solve(items: &[Vec<(u64, f64)>], budget: u64) -> Result<(Vec<usize>, bool
     let smallest: u64 = items
         .iter()
         .map(|o| o.iter().map(|c| c.0).min().unwrap_or(0))
-        .sum();
+        .fold(0, u64::saturating_add);
     if smallest > budget {
         return Err(Error::Budget { budget, smallest });
     }
@@ -695,7 +695,7 @@ fn lagrangian(items: &[Vec<(u64, f64)>], budget: u64) -> Vec<usize> {
         p.iter()
             .zip(items)
             .map(|(&k, o)| o.get(k).map_or(0, |c| c.0))
-            .sum()
+            .fold(0, u64::saturating_add)
     };
     let (mut lo, mut hi) = (0.0f64, 1.0f64);
     while bytes(&pick(hi)) > budget && hi < 1e30 {

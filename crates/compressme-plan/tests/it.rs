@@ -398,3 +398,33 @@ fn holds_is_what_quantize_accepts() {
         }
     }
 }
+
+/// A profile read from a hostile file may claim any shape: module sizes whose products
+/// overflow `usize` and `u64` reach every planner as errors or saturated sizes, never as
+/// an overflow (this runs in the debug profile, where one panics).
+#[test]
+fn extreme_shapes_in_a_profile_do_not_overflow() {
+    let m = model();
+    let p = ActivationRecorder::new(ProfileSettings::default())
+        .record(&m, &batches(2, 4), |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&p.to_json().unwrap()).unwrap();
+    for (_, s) in json["modules"].as_object_mut().unwrap() {
+        s["rows"] = serde_json::json!(usize::MAX / 2);
+        s["cols"] = serde_json::json!(1u64 << 40);
+    }
+    let hostile = compressme_profile::Profile::from_json(&json.to_string()).unwrap();
+    let thresholds = Plan::from_importance(&hostile, Policy::default());
+    let shapes = shapes(&hostile);
+    let _ = thresholds.validate(&shapes);
+    let _ = thresholds.shuffled(&shapes, 7);
+    for budget in [0, 1 << 20, u64::MAX] {
+        let candidates = compressme_profile::default_candidates();
+        if let Ok(b) = Plan::within_budget(&hostile, &candidates, budget, Policy::default()) {
+            let _ = b.shuffled(&shapes, 3);
+        }
+    }
+    for (_, c) in &thresholds.modules {
+        assert_eq!(c.bytes(usize::MAX, usize::MAX).map(|b| b > 0), Some(true));
+    }
+}

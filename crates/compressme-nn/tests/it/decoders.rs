@@ -322,6 +322,31 @@ fn configs_read_as_the_hub_and_transformers_5_write_them() {
     assert_eq!(config(&pythia_v5).unwrap(), p);
 }
 
+/// Sizes at the top of their types in a hostile `config.json` are errors or saturated
+/// counts, never an overflow (the debug profile panics on one).
+#[test]
+fn extreme_config_sizes_do_not_overflow() {
+    let max = usize::MAX;
+    let gpt2 = format!(
+        r#"{{"model_type": "gpt2", "vocab_size": {max}, "n_embd": {max}, "n_layer": {max},
+        "n_head": 1, "n_positions": {max}}}"#
+    );
+    let llama = format!(
+        r#"{{"model_type": "llama", "vocab_size": {max}, "hidden_size": {max},
+        "intermediate_size": {max}, "num_hidden_layers": {max}, "num_attention_heads": {h},
+        "head_dim": {h}, "max_position_embeddings": 64}}"#,
+        h = 1u64 << 33
+    );
+    let mut read = 0;
+    for text in [gpt2, llama] {
+        if let Ok(c) = config(&text) {
+            assert_eq!(c.weights(), u64::MAX, "saturated, not wrapped");
+            read += 1;
+        }
+    }
+    assert!(read >= 1, "the GPT-2 sizes fit together and are read");
+}
+
 #[test]
 fn unsupported_settings_are_refused_by_name() {
     let base = r#"{"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
