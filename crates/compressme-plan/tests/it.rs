@@ -424,7 +424,7 @@ fn extreme_shapes_in_a_profile_do_not_overflow() {
             let _ = b.shuffled(&shapes, 3);
         }
     }
-    for (_, c) in &thresholds.modules {
+    for c in thresholds.modules.values() {
         assert_eq!(c.bytes(usize::MAX, usize::MAX).map(|b| b > 0), Some(true));
     }
 }
