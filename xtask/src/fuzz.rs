@@ -72,8 +72,15 @@ fn seed(root: &Path, src: &str, dst: &Path) -> Result<usize, String> {
         vec![p]
     };
     for f in &files {
+        // named by folder and file, so two versions' `sample.cma` are two seeds
         let name = f.file_name().ok_or("a seed without a name")?;
-        std::fs::copy(f, dst.join(name)).map_err(|e| format!("{}: {e}", f.display()))?;
+        let folder = f.parent().and_then(Path::file_name).unwrap_or_default();
+        let to = dst.join(format!(
+            "{}-{}",
+            folder.to_string_lossy(),
+            name.to_string_lossy()
+        ));
+        std::fs::copy(f, to).map_err(|e| format!("{}: {e}", f.display()))?;
     }
     Ok(files.len())
 }

@@ -332,8 +332,8 @@ const SPEC_DEPS: [&str; 2] = ["numpy", "zstandard==0.25.0"];
 
 /// docs/FORMAT.md's promise, checked: `fixtures/artifact/decode.py` (numpy and zstandard
 /// only, written from the document) decodes artifacts the Rust code writes, in every
-/// storage kind, to the same bytes as `compressme unpack`, and decodes the frozen v1
-/// sample.
+/// storage kind, to the same bytes as `compressme unpack`, decodes the frozen samples of
+/// every version and refuses their corrupt variants.
 fn spec_check(args: &[String]) -> Result<(), String> {
     let root = root();
     let deps = root.join("cache/pydeps");
@@ -394,7 +394,18 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             .arg(&back))?;
         decode(&art, Some(&back))?;
     }
-    decode(&root.join("fixtures/artifact/v1/sample.cma"), None)?;
+    for version in ["v1", "v2"] {
+        let dir = root.join("fixtures/artifact").join(version);
+        decode(&dir.join("sample.cma"), None)?;
+        // and it refuses what the Rust reader refuses
+        for bad in ["flipped_payload.cma", "truncated.cma", "bad_version.cma"] {
+            if decode(&dir.join(bad), None).is_ok() {
+                return Err(format!(
+                    "decode.py accepted fixtures/artifact/{version}/{bad}"
+                ));
+            }
+        }
+    }
     std::fs::remove_dir_all(&work).map_err(|e| e.to_string())?;
     println!("spec check: decode.py agrees with the Rust reader on every storage kind");
     Ok(())

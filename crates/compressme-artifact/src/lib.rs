@@ -12,8 +12,9 @@
 //! - [`Checkpoint`] reads any safetensors checkpoint (one file, a folder, or shards
 //!   through the index JSON) a tensor at a time.
 //!
-//! The layout is specified in `docs/FORMAT.md` ("Artifact, version 1"); frozen fixtures
-//! live under `fixtures/artifact/v1/`. What it is not: a model loader (the umbrella crate
+//! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1 and 2": this build
+//! writes version 2 and reads both); frozen fixtures live under `fixtures/artifact/v1/`
+//! and `v2/`. What it is not: a model loader (the umbrella crate
 //! applies artifacts to models) or a compressor of its own (the block store and the
 //! quantized formats are).
 //!

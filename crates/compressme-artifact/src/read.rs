@@ -186,33 +186,44 @@ impl Artifact {
                 row_bytes,
                 block_rows,
                 block_sha256,
+                index_sha256,
                 ..
             } => {
+                let v1 = self.recipe.version == 1;
                 let blob = self.read_entry(&blocks_name(name))?;
                 let store = BlockStore::from_bytes(&blob).map_err(|source| Error::Blocks {
                     tensor: name.into(),
                     source,
                 })?;
                 let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
-                // every recipe digest pairs with one block: the same block size and count
+                // version 1: every recipe digest pairs with one block (the same block size
+                // and count); version 2: the index digest seals them all
                 if store.rows() != *rows
                     || store.row_bytes() as u64 != *row_bytes
                     || store.kind() != value_kind(dtype)
                     || store.block_rows() != *block_rows
-                    || store.num_blocks() != block_sha256.len()
+                    || (v1 && store.num_blocks() != block_sha256.len())
                 {
                     return Err(Error::Invalid {
                         tensor: name.into(),
                         reason: "block store shape or kind differs from the recipe".into(),
                     });
                 }
-                for (i, (d, want)) in store.block_digests().iter().zip(block_sha256).enumerate() {
-                    if hex(d) != *want {
-                        return Err(Error::Digest {
-                            tensor: name.into(),
-                            what: format!("block {i} (recipe)"),
-                        });
+                if v1 {
+                    let digests = store.block_digests().iter().zip(block_sha256);
+                    for (i, (d, want)) in digests.enumerate() {
+                        if hex(d) != *want {
+                            return Err(Error::Digest {
+                                tensor: name.into(),
+                                what: format!("block {i} (recipe)"),
+                            });
+                        }
                     }
+                } else if index_sha256.as_deref() != Some(hex(&store.index_digest()).as_str()) {
+                    return Err(Error::Digest {
+                        tensor: name.into(),
+                        what: "the block store's index (recipe)".into(),
+                    });
                 }
                 Ok(Stored::Lossless(store))
             }
@@ -425,9 +436,16 @@ impl Artifact {
             s.stored_bytes = s.stored_bytes.saturating_add(me.stored_bytes(t));
             match &t.storage {
                 StorageRecipe::Dense => s.dense = s.dense.saturating_add(1),
-                StorageRecipe::Lossless { block_sha256, .. } => {
+                StorageRecipe::Lossless {
+                    rows, block_rows, ..
+                } => {
                     s.lossless = s.lossless.saturating_add(1);
-                    s.blocks = s.blocks.saturating_add(block_sha256.len());
+                    // the block count the recipe implies (checked against the store when
+                    // its blocks were read)
+                    let blocks = rows.div_ceil((*block_rows).max(1) as u64);
+                    s.blocks = s
+                        .blocks
+                        .saturating_add(usize::try_from(blocks).unwrap_or(usize::MAX));
                 }
                 StorageRecipe::Quant { .. } => s.quantized = s.quantized.saturating_add(1),
             }

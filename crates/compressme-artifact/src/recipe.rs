@@ -6,9 +6,10 @@ use serde::{Deserialize, Serialize};
 /// The recipe's `format` field.
 pub const FORMAT_NAME: &str = "compressme-artifact";
 /// The version this build writes.
-pub const VERSION: u32 = 1;
-/// The versions this build reads.
-pub const READABLE: [u32; 1] = [1];
+pub const VERSION: u32 = 2;
+/// The versions this build reads: 1 (every block digest in the recipe) and 2 (the block
+/// store's index digest, which seals them, instead).
+pub const READABLE: [u32; 2] = [1, 2];
 /// `__metadata__` key holding the recipe JSON.
 pub const RECIPE_KEY: &str = "compressme.recipe";
 /// `__metadata__` key holding the format name.
@@ -85,8 +86,13 @@ pub enum StorageRecipe {
         row_index: bool,
         /// Bytes an element (the shuffle's element size).
         element_size: usize,
-        /// SHA-256 of each stored block, in order.
+        /// Version 1: SHA-256 of each stored block, in order (absent in version 2).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
         block_sha256: Vec<String>,
+        /// Version 2: the block store's index digest, which seals its header, tables,
+        /// block lengths and every block digest (absent in version 1).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        index_sha256: Option<String>,
     },
     /// A `compressme-quant` format (`cm.codes/NAME` U8, `cm.scales/NAME` F32 per row or
     /// F16 per group, `cm.mins/NAME` F16 for `int4-g*`).

@@ -104,7 +104,7 @@ pub(crate) fn recipe(path: &Path, file: &SafetensorsFile, limits: &Limits) -> Re
             )));
         }
         previous = Some(t.name.as_str());
-        check_tensor(file, t, &mut used).map_err(bad)?;
+        check_tensor(file, t, recipe.version, &mut used).map_err(bad)?;
     }
     if let Some(stray) = file.entries().iter().find(|e| !used.contains(&e.name)) {
         return Err(bad(format!(
@@ -196,6 +196,7 @@ pub(crate) fn payload_names(t: &TensorRecipe) -> Vec<String> {
 fn check_tensor(
     file: &SafetensorsFile,
     t: &TensorRecipe,
+    version: u32,
     used: &mut HashSet<String>,
 ) -> std::result::Result<(), String> {
     let n = &t.name;
@@ -251,6 +252,7 @@ fn check_tensor(
             row_bytes,
             element_size,
             block_sha256,
+            index_sha256,
             ..
         } => {
             let e = entry(&blocks_name(n), Some(Dtype::U8))?;
@@ -265,10 +267,21 @@ fn check_tensor(
                 return Err(format!("tensor `{n}`: block_rows is 0"));
             }
             let blocks = rows.div_ceil(*block_rows as u64);
-            if block_sha256.len() as u64 != blocks || !block_sha256.iter().all(|s| hex_ok(s)) {
+            if version == 1 {
+                // every block's digest, and no index digest
+                if block_sha256.len() as u64 != blocks
+                    || !block_sha256.iter().all(|s| hex_ok(s))
+                    || index_sha256.is_some()
+                {
+                    return Err(format!(
+                        "tensor `{n}`: {} block digests for {blocks} blocks (version 1)",
+                        block_sha256.len()
+                    ));
+                }
+            } else if !index_sha256.as_deref().is_some_and(hex_ok) || !block_sha256.is_empty() {
+                // the index digest, which seals the block digests, and no list of them
                 return Err(format!(
-                    "tensor `{n}`: {} block digests for {blocks} blocks",
-                    block_sha256.len()
+                    "tensor `{n}`: version {version} needs the block store's index_sha256 and no block_sha256"
                 ));
             }
             if !t.sha256.as_deref().is_some_and(hex_ok) {

@@ -242,7 +242,8 @@ impl Writer {
                 },
                 row_index,
                 element_size: dtype.size(),
-                block_sha256: store.block_digests().iter().map(|d| hex(d)).collect(),
+                block_sha256: Vec::new(),
+                index_sha256: Some(hex(&store.index_digest())),
             },
         });
         Ok(Added {

@@ -290,53 +290,51 @@ fn sizes_are_bounded_before_allocation() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/artifact/v1")
+fn fixture_dir(version: u32) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../fixtures/artifact/v{version}"))
 }
 
-/// Version 1 stays readable forever: the frozen sample opens, verifies and decodes to
-/// the same bytes; its corrupt variants fail the way they always have. Regenerate only
-/// with `COMPRESSME_BLESS=1` (and only for a new version's folder).
-#[test]
-fn frozen_v1_fixtures() {
-    let dir = fixture_dir();
+/// Writes the sample and its corrupt variants into `dir` (only for the version this build
+/// writes, and only under `COMPRESSME_BLESS=1`).
+fn bless(dir: &Path) {
     let sample = dir.join("sample.cma");
-    if std::env::var_os("COMPRESSME_BLESS").is_some() {
-        std::fs::create_dir_all(&dir).unwrap();
-        write_sample(&sample);
-        let good = std::fs::read(&sample).unwrap();
-        let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
-        let mut b = good.clone();
-        let last = b.len() - 100;
-        b[last] ^= 0x01;
-        std::fs::write(dir.join("flipped_payload.cma"), &b).unwrap();
-        let mut b = good.clone();
-        b[8 + header_len / 2] ^= 0x01;
-        std::fs::write(dir.join("flipped_header.cma"), &b).unwrap();
-        std::fs::write(dir.join("truncated.cma"), &good[..good.len() - 1]).unwrap();
-        let text = String::from_utf8_lossy(&good[8..8 + header_len]).replace(
-            "\"compressme.version\":\"1\"",
-            "\"compressme.version\":\"9\"",
-        );
-        let mut b = (text.len() as u64).to_le_bytes().to_vec();
-        b.extend_from_slice(text.as_bytes());
-        b.extend_from_slice(&good[8 + header_len..]);
-        std::fs::write(dir.join("bad_version.cma"), &b).unwrap();
-    }
+    std::fs::create_dir_all(dir).unwrap();
+    write_sample(&sample);
+    let good = std::fs::read(&sample).unwrap();
+    let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let mut b = good.clone();
+    let last = b.len() - 100;
+    b[last] ^= 0x01;
+    std::fs::write(dir.join("flipped_payload.cma"), &b).unwrap();
+    let mut b = good.clone();
+    b[8 + header_len / 2] ^= 0x01;
+    std::fs::write(dir.join("flipped_header.cma"), &b).unwrap();
+    std::fs::write(dir.join("truncated.cma"), &good[..good.len() - 1]).unwrap();
+    let version = compressme_artifact::recipe::VERSION;
+    let text = String::from_utf8_lossy(&good[8..8 + header_len]).replace(
+        &format!("\"compressme.version\":\"{version}\""),
+        "\"compressme.version\":\"9\"",
+    );
+    let mut b = (text.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(text.as_bytes());
+    b.extend_from_slice(&good[8 + header_len..]);
+    std::fs::write(dir.join("bad_version.cma"), &b).unwrap();
+}
+
+/// A frozen version's files: the sample opens, verifies and decodes to the bytes the
+/// sample was made from, with the same payload tensors as today's writer produces; its
+/// corrupt variants fail the way they always have.
+fn check_frozen(version: u32) -> (Artifact, Artifact) {
+    let dir = fixture_dir(version);
+    let sample = dir.join("sample.cma");
     let mut a = Artifact::open(&sample, &Limits::default()).unwrap();
+    assert_eq!(a.recipe().version, version);
     let s = a.verify().unwrap();
     assert_eq!((s.tensors, s.lossless, s.quantized, s.dense), (5, 2, 1, 2));
-    // the same bytes as the writer produces today
-    let fresh = tmp("fixture").join("fresh.cma");
+    let fresh = tmp(&format!("fixture-v{version}")).join("fresh.cma");
     let tensors = write_sample(&fresh);
-    // today's writer gives the same recipe (but for the tool's version) and payload
     let today = Artifact::open(&fresh, &Limits::default()).unwrap();
-    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
-    r1.tool.clone_from(&r2.tool);
-    assert_eq!(
-        r1, r2,
-        "writer output changed: a format change needs a new version"
-    );
+    // the block-store format did not change: the same payload tensors, byte for byte
     assert_eq!(a.entries(), today.entries());
     for (name, _, _, bytes) in &tensors {
         let (got, exact) = a.read_tensor(name).unwrap();
@@ -355,6 +353,72 @@ fn frozen_v1_fixtures() {
     let e = open("bad_version.cma");
     assert!(matches!(e, Err(Error::UnsupportedVersion { .. })), "{e:?}");
     std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
+    (a, today)
+}
+
+/// Version 1 stays readable forever. Its recipe lists every block's digest: each equals
+/// the digest of the same block in today's store, whose index digest today's recipe
+/// (version 2) records instead.
+#[test]
+fn frozen_v1_fixtures() {
+    use compressme_artifact::StorageRecipe;
+    let (mut old, today) = check_frozen(1);
+    for (t1, t2) in old
+        .recipe()
+        .tensors
+        .clone()
+        .iter()
+        .zip(&today.recipe().tensors)
+    {
+        assert_eq!(
+            (&t1.name, &t1.shape, &t1.sha256),
+            (&t2.name, &t2.shape, &t2.sha256)
+        );
+        if let (
+            StorageRecipe::Lossless { block_sha256, .. },
+            StorageRecipe::Lossless { index_sha256, .. },
+        ) = (&t1.storage, &t2.storage)
+        {
+            let Ok(compressme_artifact::Stored::Lossless(store)) = old.read_stored(&t1.name) else {
+                panic!("{} is lossless", t1.name);
+            };
+            let digests: Vec<String> = store
+                .block_digests()
+                .iter()
+                .map(|d| compressme_artifact::recipe::hex(d))
+                .collect();
+            assert_eq!(&digests, block_sha256);
+            assert!(index_sha256.is_some() && block_sha256.len() >= 2);
+            assert_eq!(
+                index_sha256.as_deref(),
+                Some(compressme_artifact::recipe::hex(&store.index_digest()).as_str())
+            );
+        } else {
+            assert_eq!(t1.storage, t2.storage, "{}", t1.name);
+        }
+    }
+}
+
+/// Version 2 (the version this build writes) stays readable forever, and today's writer
+/// still produces exactly its recipe. Regenerate only with `COMPRESSME_BLESS=1`, and only
+/// for a new version's folder.
+#[test]
+fn frozen_v2_fixtures() {
+    if std::env::var_os("COMPRESSME_BLESS").is_some() {
+        assert_eq!(
+            compressme_artifact::recipe::VERSION,
+            2,
+            "bless a new folder"
+        );
+        bless(&fixture_dir(2));
+    }
+    let (frozen, today) = check_frozen(2);
+    let (mut r1, r2) = (frozen.recipe().clone(), today.recipe().clone());
+    r1.tool.clone_from(&r2.tool);
+    assert_eq!(
+        r1, r2,
+        "writer output changed: a format change needs a new version"
+    );
 }
 
 /// A sharded checkpoint is read through its index JSON, from the folder or the index.
@@ -512,7 +576,9 @@ fn every_read_checks_what_it_pairs() {
     let good = d.join("good.cma");
     write_sample(&good);
     let bad = d.join("bad.cma");
-    let a = Artifact::open(&good, &Limits::default()).unwrap();
+    // version 1 (the frozen sample): block digests listed in the recipe
+    let v1 = fixture_dir(1).join("sample.cma");
+    let a = Artifact::open(&v1, &Limits::default()).unwrap();
     let (lossless, br, rows, digests) = a
         .recipe()
         .tensors
@@ -530,7 +596,7 @@ fn every_read_checks_what_it_pairs() {
         })
         .unwrap();
     // twice the block size: half the blocks; the first digests kept, so a zip pairs them
-    reseal(&good, &bad, |r| {
+    reseal(&v1, &bad, |r| {
         let t = r.tensors.iter_mut().find(|t| t.name == lossless).unwrap();
         if let StorageRecipe::Lossless {
             block_rows,
@@ -545,6 +611,52 @@ fn every_read_checks_what_it_pairs() {
     let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
     let e = b.read_stored(&lossless).map(|_| ());
     assert!(matches!(e, Err(Error::Invalid { .. })), "{e:?}");
+    // version 2: the same change, and an index digest that is not the store's
+    let a = Artifact::open(&good, &Limits::default()).unwrap();
+    for wrong_index in [false, true] {
+        reseal(&good, &bad, |r| {
+            let t = r.tensors.iter_mut().find(|t| t.name == lossless).unwrap();
+            if let StorageRecipe::Lossless {
+                block_rows,
+                index_sha256,
+                ..
+            } = &mut t.storage
+            {
+                if wrong_index {
+                    *index_sha256 = Some("cd".repeat(32));
+                } else {
+                    *block_rows = 2 * br;
+                }
+            }
+        });
+        let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+        let e = b.read_stored(&lossless).map(|_| ());
+        let caught = if wrong_index {
+            matches!(e, Err(Error::Digest { .. }))
+        } else {
+            matches!(e, Err(Error::Invalid { .. }))
+        };
+        assert!(caught, "{e:?}");
+        assert!(b.verify().is_err());
+    }
+    // a version-2 recipe that lists block digests, or a version-1 one with an index
+    // digest, is refused when opened
+    reseal(&good, &bad, |r| {
+        let t = r.tensors.iter_mut().find(|t| t.name == lossless).unwrap();
+        if let StorageRecipe::Lossless { block_sha256, .. } = &mut t.storage {
+            block_sha256.clone_from(&digests);
+        }
+    });
+    let e = Artifact::open(&bad, &Limits::default()).map(drop);
+    assert!(matches!(e, Err(Error::Recipe { .. })), "{e:?}");
+    reseal(&v1, &bad, |r| {
+        let t = r.tensors.iter_mut().find(|t| t.name == lossless).unwrap();
+        if let StorageRecipe::Lossless { index_sha256, .. } = &mut t.storage {
+            *index_sha256 = Some("cd".repeat(32));
+        }
+    });
+    let e = Artifact::open(&bad, &Limits::default()).map(drop);
+    assert!(matches!(e, Err(Error::Recipe { .. })), "{e:?}");
     // a dense tensor's digest replaced: reading it fails, naming it
     let dense = first_tensor(&a, |s| matches!(s, StorageRecipe::Dense));
     reseal(&good, &bad, |r| {

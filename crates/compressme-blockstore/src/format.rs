@@ -173,6 +173,20 @@ impl BlockStore {
         out
     }
 
+    /// The index digest: the SHA-256 of everything the serialized form holds before it
+    /// (header, tables, block lengths and block digests), so it seals every block digest.
+    /// A serialized store ends its index with it; an artifact's recipe (version 2) records
+    /// it instead of each block's digest.
+    #[must_use]
+    pub fn index_digest(&self) -> [u8; 32] {
+        let index = self.index_bytes();
+        let mut d = [0u8; 32];
+        if let Some(tail) = index.get(index.len().saturating_sub(32)..) {
+            d.copy_from_slice(tail);
+        }
+        d
+    }
+
     /// Parses a serialized store and verifies every block (on all cores).
     ///
     /// # Errors

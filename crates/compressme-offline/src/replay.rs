@@ -115,15 +115,36 @@ fn is_candle(variant: &str) -> bool {
 
 /// What [`compare`] leaves out, and why: the candle variants' likelihoods when the two
 /// runs had different tiers of candle's kernels (their arithmetic differs; their bytes
-/// and digests are still compared). `None` when everything is compared.
+/// and digests are still compared); the `.cma` files' sizes and digests when the runs
+/// wrote different artifact versions (the rest of their storage, which is the payload's,
+/// is still compared). `None` when everything is compared.
 #[must_use]
 pub fn not_compared(recorded: &Report, fresh: &Report) -> Option<String> {
-    (recorded.candle_kernels != fresh.candle_kernels).then(|| {
-        format!(
+    let mut notes = Vec::new();
+    if recorded.candle_kernels != fresh.candle_kernels {
+        notes.push(format!(
             "candle's kernels differ between the runs (recorded {}, now {}): the candle variants' likelihoods, their paired rows and generated-token counts are not compared; their storage is",
             recorded.candle_kernels, fresh.candle_kernels
-        )
-    })
+        ));
+    }
+    if recorded.artifact_version != fresh.artifact_version {
+        notes.push(format!(
+            "the runs wrote different artifact versions (recorded {}, now {}): the .cma files' sizes and SHA-256 are not compared; every module's stored bytes are",
+            recorded.artifact_version, fresh.artifact_version
+        ));
+    }
+    (!notes.is_empty()).then(|| notes.join("; "))
+}
+
+/// A variant's storage as compared across artifact versions: without the file's size and
+/// digest (which include the header the version defines).
+fn payload_storage(s: &crate::report::Storage) -> crate::report::Storage {
+    let mut s = s.clone();
+    if s.file.ends_with(".cma") {
+        s.file_bytes = 0;
+        s.file_sha256.clear();
+    }
+    s
 }
 
 /// Every field of `fresh` that does not reproduce `recorded`: deterministic fields
@@ -131,7 +152,9 @@ pub fn not_compared(recorded: &Report, fresh: &Report) -> Option<String> {
 /// and seconds are not compared.
 #[must_use]
 pub fn compare(recorded: &Report, fresh: &Report, tol: Tolerance) -> Vec<Difference> {
-    let candle_comparable = not_compared(recorded, fresh).is_none();
+    let candle_comparable = recorded.candle_kernels == fresh.candle_kernels;
+    // a different artifact version is said by `not_compared`, not a difference
+    let same_artifacts = recorded.artifact_version == fresh.artifact_version;
     let mut d = Diffs { list: Vec::new() };
     d.exact(
         "report_version",
@@ -170,7 +193,12 @@ pub fn compare(recorded: &Report, fresh: &Report, tol: Tolerance) -> Vec<Differe
     for (a, b) in recorded.variants.iter().zip(&fresh.variants) {
         let p = format!("variants.{}", a.name);
         d.exact(&format!("{p}.description"), &a.description, &b.description);
-        d.exact(&format!("{p}.storage"), &a.storage, &b.storage);
+        if same_artifacts {
+            d.exact(&format!("{p}.storage"), &a.storage, &b.storage);
+        } else {
+            let (a, b) = (payload_storage(&a.storage), payload_storage(&b.storage));
+            d.exact(&format!("{p}.storage"), &a, &b);
+        }
         if !candle_comparable && is_candle(&a.name) {
             continue;
         }

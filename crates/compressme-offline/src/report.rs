@@ -43,12 +43,21 @@ pub struct Report {
     /// only on the same tier. `unrecorded` in reports written before it was recorded.
     #[serde(default = "unrecorded")]
     pub candle_kernels: String,
+    /// The artifact version the run wrote its `.cma` variants in
+    /// (`compressme_artifact::recipe::VERSION`): their files' bytes and digests reproduce
+    /// only under the same version. 1 in reports written before it was recorded.
+    #[serde(default = "artifact_v1")]
+    pub artifact_version: u32,
     /// Wall-clock seconds of the whole run.
     pub seconds: f64,
 }
 
 fn unrecorded() -> String {
     "unrecorded".into()
+}
+
+const fn artifact_v1() -> u32 {
+    1
 }
 
 /// The data, by hash.

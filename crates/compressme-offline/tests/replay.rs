@@ -124,6 +124,33 @@ fn the_committed_reference_report_replays_and_tampering_is_caught() {
         fields,
         ["variants.int8.nll[2]", "variants.candle-q4_0.storage"]
     );
+    // written in another artifact version: the .cma files' sizes and digests (and only
+    // those) are left out, said so; the payload's bytes are still compared
+    let mut old = recorded.clone();
+    old.artifact_version = fresh.artifact_version - 1;
+    let note = compressme_offline::not_compared(&old, &fresh).unwrap();
+    assert!(note.contains("artifact versions"), "{note}");
+    let v = old.variant_mut("lossless-emb").unwrap();
+    v.storage.file_bytes += 4096;
+    v.storage.file_sha256 = "ab".repeat(32);
+    assert!(compare(&old, &fresh, tol).is_empty());
+    old.variant_mut("lossless-emb")
+        .unwrap()
+        .storage
+        .module_stored_bytes += 1;
+    let g = old.variant_mut("candle-q8_0").unwrap();
+    g.storage.file_sha256 = "ab".repeat(32); // a GGUF file is not an artifact
+    let fields: Vec<String> = compare(&old, &fresh, tol)
+        .into_iter()
+        .map(|d| d.field)
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "variants.lossless-emb.storage",
+            "variants.candle-q8_0.storage"
+        ]
+    );
     // timing is not compared
     let mut slow = recorded.clone();
     slow.variants[0].timing.forward.median *= 2.0;

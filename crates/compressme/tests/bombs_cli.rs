@@ -32,8 +32,9 @@ fn tmp(name: &str) -> PathBuf {
 
 /// A block store of f32 rows (value kind tag 1) whose every block has all four byte
 /// planes constant 0, sealed as the format says: block digests over each block's
-/// bytes, the index digest over everything before the payload.
-fn constant_store(rows: u64, cols: u64, block_rows: u32) -> (Vec<u8>, Vec<String>) {
+/// bytes, the index digest (returned, in hex, for the recipe) over everything before the
+/// payload.
+fn constant_store(rows: u64, cols: u64, block_rows: u32) -> (Vec<u8>, String) {
     let nb = rows.div_ceil(u64::from(block_rows)) as usize;
     let block = [1u8, 0, 1, 0, 1, 0, 1, 0]; // (constant, 0) for each plane
     let mut b = Vec::new();
@@ -56,13 +57,13 @@ fn constant_store(rows: u64, cols: u64, block_rows: u32) -> (Vec<u8>, Vec<String
     for _ in 0..nb {
         b.extend_from_slice(&block);
     }
-    (b, vec![compressme_blockstore::hex(&digest); nb])
+    (b, compressme_blockstore::hex(&index))
 }
 
 /// An artifact holding one such tensor `w` `[rows, cols]` f32, every seal valid (the
 /// whole-tensor digest is that of all-zero bytes, computed only when `zero_digest`).
 fn bomb(path: &Path, rows: u64, cols: u64, block_rows: u32, zero_digest: bool) -> u64 {
-    let (store, blocks) = constant_store(rows, cols, block_rows);
+    let (store, index) = constant_store(rows, cols, block_rows);
     let dense = rows * cols * 4;
     let sha = if zero_digest {
         let mut h = Sha256::new();
@@ -90,7 +91,8 @@ fn bomb(path: &Path, rows: u64, cols: u64, block_rows: u32, zero_digest: bool) -
                 coder: "huffman".into(),
                 row_index: false,
                 element_size: 4,
-                block_sha256: blocks,
+                block_sha256: Vec::new(),
+                index_sha256: Some(index),
             },
         }],
         output_head_policy: None,
