@@ -4,7 +4,9 @@
 //!
 //! - [`Writer`] adds tensors one at a time (dense, lossless where it pays, quantized),
 //!   spooling payloads to a temporary file so memory holds one tensor; `finish` writes
-//!   the header and payloads, reopens and verifies the file, and renames it into place.
+//!   the header and payloads, reopens the file and checks every stored byte against its
+//!   digest (`set_paranoid`: decodes and hashes everything again), and renames it into
+//!   place.
 //! - [`Artifact::open`] checks the header (sizes against caller-set [`Limits`] before
 //!   any allocation), the format name and version, and the recipe against the payload,
 //!   all before reading a payload byte; [`Artifact::verify`] checks every digest;
@@ -30,7 +32,7 @@
 //! let mut w = Writer::create(&path)?;
 //! let added = w.add_lossless("emb.weight", Dtype::F32, &[64, 32], &values, 16, Coder::default())?;
 //! assert!(added.stored_bytes < added.dense_bytes);
-//! let summary = w.finish()?; // written, reopened, every block verified, renamed
+//! let summary = w.finish()?; // written, reopened, every digest checked, renamed
 //! assert_eq!(summary.lossless, 1);
 //!
 //! let mut a = Artifact::open(&path, &Limits::default())?;

@@ -346,6 +346,12 @@ fn check_frozen(version: u32) -> (Artifact, Artifact) {
     let e = open("flipped_payload.cma");
     let ok = matches!(e, Err(Error::Blocks { .. } | Error::Digest { .. }));
     assert!(ok, "{e:?}");
+    // the writer's check (no decoding) catches it too
+    let e = Artifact::open(&dir.join("flipped_payload.cma"), &Limits::default())
+        .and_then(|a| a.check_stored());
+    let ok = matches!(e, Err(Error::Blocks { .. } | Error::Digest { .. }));
+    assert!(ok, "{e:?}");
+    assert_eq!(a.check_stored().unwrap(), a.verify().unwrap());
     let e = open("flipped_header.cma");
     assert!(e.is_err(), "{e:?}");
     let e = open("truncated.cma");

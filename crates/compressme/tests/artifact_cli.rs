@@ -105,6 +105,24 @@ fn tiny_bert_round_trip_and_inspect() {
         ok && stdout.contains("nf4-g32") && stdout.contains("total: 37 tensors"),
         "{stdout}"
     );
+    // --paranoid decodes everything again before the rename: the same file, the same
+    // counts
+    let paranoid = d.join("p.cma");
+    let tiny = root().join("fixtures/bert/tiny/model.safetensors");
+    for (out, extra) in [(&art, None), (&paranoid, Some("--paranoid"))] {
+        let mut args = vec![
+            "pack",
+            tiny.to_str().unwrap(),
+            "--lossless",
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend(extra);
+        let (ok, _, err) = run(&args);
+        assert!(ok, "{err}");
+    }
+    assert!(std::fs::read(&art).unwrap() == std::fs::read(&paranoid).unwrap());
     std::fs::remove_dir_all(&d).unwrap();
 }
 

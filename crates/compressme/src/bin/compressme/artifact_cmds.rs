@@ -65,6 +65,12 @@ pub(crate) struct PackArgs {
     /// Print the per-tensor report as JSON.
     #[arg(long)]
     pub(crate) json: bool,
+    /// After writing, decode every block and hash every tensor again before the rename
+    /// (by default the reopened file's stored bytes are checked against their digests
+    /// without decoding: the encoder already decoded each block and compared it with the
+    /// input).
+    #[arg(long)]
+    pub(crate) paranoid: bool,
 }
 
 enum Choice {
@@ -283,6 +289,7 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         .unwrap_or(0);
     let mut w =
         Writer::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
+    w.set_paranoid(a.paranoid);
     w.recipe_mut().source_metadata = metadata;
     w.recipe_mut().tokenizer_sha256 = tokenizer_sha;
     if let Some(p) = &profile {
