@@ -16,6 +16,9 @@
 //! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
 //! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
 //!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
+//! - `bench-checkpoint`: whole checkpoints (MiniLM in f32 and in bf16): the CLI's
+//!   `pack`, `verify` and `unpack` against zstandard and zipnn on the same files, in
+//!   interleaved rounds; JSON under `target/bench/`, a table on stdout.
 //! - `fuzz [--seconds N] [--targets a,b]`: every parser under cargo-fuzz (nightly), N
 //!   seconds a target (default 600), seeded from the frozen fixtures; fails on a crash.
 //! - `tidy`: the crate graph and crate-doc checks (also run by `cargo test`).
@@ -98,10 +101,11 @@ fn main() -> ExitCode {
         Some("bench-real") => bench_real(args.get(1..).unwrap_or(&[])),
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
         Some("bench-lossless") => bench_lossless(),
+        Some("bench-checkpoint") => bench_checkpoint(),
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
         Some("fuzz") => fuzz::fuzz(&root(), args.get(1..).unwrap_or(&[])),
         _ => Err(
-            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | fuzz [--seconds N] [--targets a,b] | tidy>"
+            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | bench-checkpoint | fuzz [--seconds N] [--targets a,b] | tidy>"
                 .to_string(),
         ),
     };
@@ -463,6 +467,39 @@ fn peers_python() -> Result<PathBuf, String> {
         ])
         .args(PEERS))?;
     Ok(py)
+}
+
+/// Whole checkpoints against the peers: see `benches/peers/checkpoint_peers.py`.
+fn bench_checkpoint() -> Result<(), String> {
+    let dir = fixtures()?;
+    let model = dir.join("model.safetensors");
+    let out = root().join("target/bench");
+    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    run(cargo()
+        .current_dir(root())
+        .args(["build", "--release", "--quiet", "-p", "compressme"]))?;
+    let bf16 = out.join("minilm-bf16.safetensors");
+    run(cargo()
+        .current_dir(root())
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "compressme-benches",
+            "--example",
+            "to_bf16",
+            "--",
+        ])
+        .arg(&model)
+        .arg(&bf16))?;
+    let py = peers_python()?;
+    run(Command::new(py)
+        .arg(root().join("benches/peers/checkpoint_peers.py"))
+        .arg(root().join("target/release/compressme"))
+        .arg(out.join("checkpoint-peers.json"))
+        .arg(&model)
+        .arg(&bf16))
 }
 
 fn bench_lossless() -> Result<(), String> {
