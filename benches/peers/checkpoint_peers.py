@@ -29,24 +29,26 @@ import zstandard
 
 
 def header(path):
+    """The safetensors header's tensor entries, by name."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n))
+        h = json.loads(f.read(n))
+    h.pop("__metadata__", None)
+    return h
 
 
 def dense_bytes(path):
-    h = header(path)
-    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in h.items() if k != "__metadata__")
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header(path).values())
 
 
 def tensors(path):
     """Every tensor's (dtype, shape, bytes), by name."""
-    h = header(path)
-    n = int.from_bytes(open(path, "rb").read(8), "little")
     with open(path, "rb") as f:
-        data = f.read()[8 + n:]
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    data = raw[8 + n:]
     return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in h.items() if k != "__metadata__"}
+            for k, v in header(path).items()}
 
 
 def timed(fn):
@@ -70,15 +72,14 @@ def main():
     for path in files:
         dense = dense_bytes(path)
         size = os.path.getsize(path)
-        h = header(path)
-        largest = max((v for k, v in h.items() if k != "__metadata__"),
-                      key=lambda v: v["data_offsets"][1] - v["data_offsets"][0])
+        largest = max(header(path).values(), key=lambda v: v["data_offsets"][1] - v["data_offsets"][0])
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(largest["dtype"], "float32")
         art = os.path.join(work, "a.cma")
         back = os.path.join(work, "back.safetensors")
         zst = os.path.join(work, "z.zst")
         zback = os.path.join(work, "z.back")
         znn = os.path.join(work, "z.znn")
+        nback = os.path.join(work, "z.znn.back")
         times = {k: [] for k in ["pack", "verify", "unpack", "zstd_c", "zstd_d", "zipnn_c", "zipnn_d"]}
         from zipnn import ZipNN
         z = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=2)
@@ -115,7 +116,7 @@ def main():
                 with open(znn, "rb") as f:
                     comp = f.read()
                 data = z.decompress(comp)
-                with open(zback + ".znn", "wb") as f:
+                with open(nback, "wb") as f:
                     f.write(bytes(data))
 
             times["zipnn_c"].append(timed(nc)[0])
@@ -123,7 +124,7 @@ def main():
         original = open(path, "rb").read()
         ours_exact = tensors(path) == tensors(back)
         zstd_exact = open(zback, "rb").read() == original
-        zipnn_exact = open(zback + ".znn", "rb").read() == original
+        zipnn_exact = open(nback, "rb").read() == original
         med = {k: statistics.median(v) for k, v in times.items()}
         r = {
             "file": path, "file_bytes": size, "dense_bytes": dense, "rounds": rounds,

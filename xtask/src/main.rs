@@ -469,32 +469,40 @@ fn peers_python() -> Result<PathBuf, String> {
     Ok(py)
 }
 
-/// Whole checkpoints against the peers: see `benches/peers/checkpoint_peers.py`.
-fn bench_checkpoint() -> Result<(), String> {
-    let dir = fixtures()?;
-    let model = dir.join("model.safetensors");
+/// `target/bench/`, created.
+fn bench_dir() -> Result<PathBuf, String> {
     let out = root().join("target/bench");
     std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// `cargo run --release` of a `compressme-benches` target (`--bin NAME` or
+/// `--example NAME`), with `args` after `--`.
+fn run_benches(target: &str, name: &str, args: &[&Path]) -> Result<(), String> {
+    let mut cmd = cargo();
+    cmd.current_dir(root()).args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "compressme-benches",
+        target,
+        name,
+        "--",
+    ]);
+    run(cmd.args(args))
+}
+
+/// Whole checkpoints against the peers: see `benches/peers/checkpoint_peers.py`.
+fn bench_checkpoint() -> Result<(), String> {
+    let model = fixtures()?.join("model.safetensors");
+    let out = bench_dir()?;
     run(cargo()
         .current_dir(root())
         .args(["build", "--release", "--quiet", "-p", "compressme"]))?;
     let bf16 = out.join("minilm-bf16.safetensors");
-    run(cargo()
-        .current_dir(root())
-        .args([
-            "run",
-            "--release",
-            "--quiet",
-            "-p",
-            "compressme-benches",
-            "--example",
-            "to_bf16",
-            "--",
-        ])
-        .arg(&model)
-        .arg(&bf16))?;
-    let py = peers_python()?;
-    run(Command::new(py)
+    run_benches("--example", "to_bf16", &[&model, &bf16])?;
+    run(Command::new(peers_python()?)
         .arg(root().join("benches/peers/checkpoint_peers.py"))
         .arg(root().join("target/release/compressme"))
         .arg(out.join("checkpoint-peers.json"))
@@ -503,26 +511,14 @@ fn bench_checkpoint() -> Result<(), String> {
 }
 
 fn bench_lossless() -> Result<(), String> {
-    let dir = fixtures()?;
-    let model = dir.join("model.safetensors");
-    let out = root().join("target/bench");
-    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
-    run(cargo()
-        .current_dir(root())
-        .args([
-            "run",
-            "--release",
-            "--quiet",
-            "-p",
-            "compressme-benches",
-            "--bin",
-            "lossless-report",
-            "--",
-        ])
-        .arg(&model)
-        .arg(out.join("lossless-ours.json")))?;
-    let py = peers_python()?;
-    run(Command::new(py)
+    let model = fixtures()?.join("model.safetensors");
+    let out = bench_dir()?;
+    run_benches(
+        "--bin",
+        "lossless-report",
+        &[&model, &out.join("lossless-ours.json")],
+    )?;
+    run(Command::new(peers_python()?)
         .arg(root().join("benches/peers/lossless_peers.py"))
         .arg(&model)
         .arg(out.join("lossless-peers.json")))?;

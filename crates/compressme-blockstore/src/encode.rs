@@ -407,7 +407,7 @@ impl BlockStore {
             offsets.push(payload.len());
             digests.push(digest);
         }
-        let store = Self {
+        let mut store = Self {
             kind,
             rows,
             row_bytes,
@@ -416,9 +416,13 @@ impl BlockStore {
             tables,
             offsets,
             digests,
+            index_digest: [0; 32],
             payload,
             verify_on_decode: false,
         };
+        // the index digest seals everything before the payload: header, tables, lengths,
+        // digests
+        store.index_digest = Sha256::digest(store.index_prefix()).into();
         // verified at build: every block decodes to exactly the bytes it was made from
         store.check_against(data, opts.parallel)?;
         Ok(store)

@@ -145,6 +145,22 @@ impl BlockStore {
     /// without copying its payload).
     #[must_use]
     pub fn index_bytes(&self) -> Vec<u8> {
+        let mut out = self.index_prefix();
+        out.extend_from_slice(&self.index_digest);
+        out
+    }
+
+    /// The index digest: the SHA-256 of everything the serialized form holds before it
+    /// (header, tables, block lengths and block digests), so it seals every block digest.
+    /// A serialized store ends its index with it; an artifact's recipe (version 2) records
+    /// it instead of each block's digest.
+    #[must_use]
+    pub fn index_digest(&self) -> [u8; 32] {
+        self.index_digest
+    }
+
+    /// The serialized index up to (not including) its digest.
+    pub(crate) fn index_prefix(&self) -> Vec<u8> {
         let mut out = Vec::new();
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
@@ -167,24 +183,7 @@ impl BlockStore {
         for d in &self.digests {
             out.extend_from_slice(d);
         }
-        // the index digest seals everything before the payload: header, tables, lengths, digests
-        let index: [u8; 32] = Sha256::digest(&out).into();
-        out.extend_from_slice(&index);
         out
-    }
-
-    /// The index digest: the SHA-256 of everything the serialized form holds before it
-    /// (header, tables, block lengths and block digests), so it seals every block digest.
-    /// A serialized store ends its index with it; an artifact's recipe (version 2) records
-    /// it instead of each block's digest.
-    #[must_use]
-    pub fn index_digest(&self) -> [u8; 32] {
-        let index = self.index_bytes();
-        let mut d = [0u8; 32];
-        if let Some(tail) = index.get(index.len().saturating_sub(32)..) {
-            d.copy_from_slice(tail);
-        }
-        d
     }
 
     /// Parses a serialized store and verifies every block (on all cores).
@@ -328,6 +327,7 @@ impl BlockStore {
             tables,
             offsets,
             digests,
+            index_digest: expected,
             payload,
             verify_on_decode: false,
         };

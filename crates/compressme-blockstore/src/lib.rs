@@ -232,6 +232,9 @@ pub struct BlockStore {
     /// `n_blocks + 1` offsets into `payload`; they tile it exactly.
     pub(crate) offsets: Vec<usize>,
     pub(crate) digests: Vec<[u8; 32]>,
+    /// SHA-256 of the serialized index before it (header, tables, lengths, digests):
+    /// computed once when encoded, checked once when parsed.
+    pub(crate) index_digest: [u8; 32],
     pub(crate) payload: Vec<u8>,
     /// Check each block's digest on every decode, not only at build and load.
     pub(crate) verify_on_decode: bool,
