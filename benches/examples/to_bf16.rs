@@ -9,7 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let [input, output] = args.as_slice() else {
         return Err("usage: to_bf16 IN OUT".into());
     };
-    let mut ckpt = Checkpoint::open(std::path::Path::new(input), &Limits::default())?;
+    let ckpt = Checkpoint::open(std::path::Path::new(input), &Limits::default())?;
     let entries: Vec<_> = ckpt.entries().cloned().collect();
     let mut owned = Vec::new();
     for e in &entries {

@@ -9,8 +9,8 @@ use sha2::Digest;
 
 use compressme_blockstore::ValueKind;
 
-use crate::read::{Artifact, Streamed, Summary, check_digest};
-use crate::recipe::StorageRecipe;
+use crate::read::{Artifact, STREAM_BYTES, Streamed, Summary, check_digest};
+use crate::recipe::{StorageRecipe, TensorRecipe};
 use crate::st::{AtomicFile, Dtype, Planned, header_bytes};
 use crate::validate::decoded_bytes;
 use crate::{Error, Result};
@@ -122,37 +122,54 @@ pub fn unpack(
     let header = header_bytes(&planned, &artifact.recipe().source_metadata)?;
     let mut out = AtomicFile::create(dest)?;
     out.write_all(&header)?;
-    let mut s = Summary::default();
+    // every tensor's place in the file is known from the header: tensors are decoded in
+    // parallel, each written at its offset as it streams, so writing overlaps decoding
+    let mut at = header.len() as u64;
+    let mut items = Vec::with_capacity(tensors.len());
     for (t, p) in tensors.iter().zip(&planned) {
-        // a piece at a time: the digest on one core while the other writes; a mismatch
-        // abandons the file before it is renamed
-        // lossless bytes hashed as they are written (dense ones were checked on reading)
+        items.push((t, p.len, at));
+        at = at.saturating_add(p.len);
+    }
+    let art: &Artifact = artifact;
+    let out_ref = &out;
+    let weight = |(t, _, _): &(&TensorRecipe, u64, u64)| art.stored_bytes(t);
+    let work = |(t, len, offset): (&TensorRecipe, u64, u64)| -> Result<Streamed> {
+        // lossless bytes hashed as they are written (dense ones were checked on reading);
+        // a mismatch abandons the file before it is renamed
         let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
         let mut h = sha2::Sha256::new();
         let mut got = 0u64;
-        let streamed = artifact.stream_tensor(&t.name, |piece| {
+        let streamed = art.stream_tensor(&t.name, |piece| {
+            let at = offset.saturating_add(got);
             got = got.saturating_add(piece.len() as u64);
-            if got > p.len {
+            if got > len {
                 return Err(Error::Invalid {
                     tensor: t.name.clone(),
-                    reason: format!("decodes to more than {} bytes", p.len),
+                    reason: format!("decodes to more than {len} bytes"),
                 });
             }
-            if !lossless {
-                return out.write_all(piece);
+            if lossless {
+                h.update(piece);
             }
-            let ((), written) = rayon::join(|| h.update(piece), || out.write_all(piece));
-            written
+            out_ref.write_all_at(at, piece)
         })?;
-        if got != p.len {
+        if got != len {
             return Err(Error::Invalid {
                 tensor: t.name.clone(),
-                reason: format!("decoded {got} bytes, expected {}", p.len),
+                reason: format!("decoded {got} bytes, expected {len}"),
             });
         }
         if streamed == Streamed::Decoded {
             check_digest(t, h)?;
         }
+        Ok(streamed)
+    };
+    let mut s = Summary::default();
+    let mut names = tensors.iter().zip(&planned);
+    crate::pipeline::ordered(items, weight, STREAM_BYTES as u64, work, |streamed| {
+        let Some((t, p)) = names.next() else {
+            return Ok(());
+        };
         s.tensors = s.tensors.saturating_add(1);
         s.dense_bytes = s.dense_bytes.saturating_add(p.len);
         if streamed != Streamed::Dequantized {
@@ -161,7 +178,8 @@ pub fn unpack(
             s.quantized = s.quantized.saturating_add(1);
         }
         progress(&t.name, p.len);
-    }
+        Ok(())
+    })?;
     out.commit()?;
     s.file_bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
     Ok(s)

@@ -90,6 +90,10 @@ pub enum Error {
     /// A tensor that is not there.
     #[error("no tensor `{0}`")]
     MissingTensor(String),
+    /// Work skipped because an earlier item of the same run failed (never the error a
+    /// run returns: that is the earlier failure).
+    #[error("cancelled after an earlier error")]
+    Cancelled,
     /// A digest that does not match: the data is corrupt.
     #[error("tensor `{tensor}`: {what} does not match its SHA-256")]
     Digest {

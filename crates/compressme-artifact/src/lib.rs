@@ -42,11 +42,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![deny(missing_docs)]
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)] // allowed once: `st::Mapped::new`, a read-only memory map
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
 mod convert;
 mod error;
+pub mod pipeline;
 mod read;
 pub mod recipe;
 mod source;
@@ -56,12 +57,12 @@ mod write;
 
 pub use convert::{from_f32, row_view, to_f32, unpack, value_kind};
 pub use error::{Error, Result};
-pub use read::{Artifact, STREAM_BYTES, Stored, Summary};
+pub use read::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, Summary};
 pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
 pub use source::Checkpoint;
 pub use st::{
-    AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Planned, SafetensorsFile, header_bytes,
-    remove_temporaries,
+    AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Mapped, Planned, SafetensorsFile,
+    header_bytes, remove_temporaries,
 };
 pub use validate::{blocks_name, codes_name, mins_name, scales_name};
-pub use write::{Added, Writer};
+pub use write::{Added, Input, Prepared, Storage, Writer};

@@ -5,6 +5,7 @@
 #![deny(clippy::arithmetic_side_effects)]
 
 use std::path::Path;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 use sha2::Digest;
@@ -14,7 +15,7 @@ use compressme_quant::{Format, Packed};
 
 use crate::convert::{from_f32, to_f32, value_kind};
 use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, hex, sha256_hex};
-use crate::st::{Dtype, Entry, Limits, SafetensorsFile};
+use crate::st::{Dtype, Entry, Limits, Mapped, SafetensorsFile};
 use crate::validate::{
     blocks_name, check_decoded, codes_name, decoded_bytes, mins_name, payload_names, scales_name,
 };
@@ -59,7 +60,6 @@ pub struct Artifact {
     file: SafetensorsFile,
     recipe: Recipe,
     file_bytes: u64,
-    limits: Limits,
 }
 
 impl Artifact {
@@ -84,7 +84,6 @@ impl Artifact {
             file,
             recipe,
             file_bytes,
-            limits: *limits,
         })
     }
 
@@ -140,22 +139,25 @@ impl Artifact {
         check_decoded(self.file.path(), &self.file, &self.recipe, limits)
     }
 
-    fn read_entry(&mut self, name: &str) -> Result<Vec<u8>> {
+    fn read_entry(&self, name: &str) -> Result<Vec<u8>> {
+        Ok(self.map_entry(name)?.to_vec())
+    }
+
+    fn map_entry(&self, name: &str) -> Result<Mapped> {
         let e = self
             .file
             .entry(name)
-            .cloned()
             .ok_or_else(|| Error::MissingTensor(name.into()))?;
-        self.file.read(&e)
+        self.file.map(e)
     }
 
     /// Payload `name` as f32 values (empty when the format has none), its stored bytes
     /// fed to `digest`.
-    fn read_floats(&mut self, name: &str, digest: &mut sha2::Sha256) -> Result<Vec<f32>> {
-        let Some(e) = self.file.entry(name).cloned() else {
+    fn read_floats(&self, name: &str, digest: &mut sha2::Sha256) -> Result<Vec<f32>> {
+        let Some(e) = self.file.entry(name) else {
             return Ok(Vec::new());
         };
-        let bytes = self.file.read(&e)?;
+        let bytes = self.file.map(e)?;
         digest.update(&bytes);
         Ok(to_f32(e.dtype, &bytes))
     }
@@ -168,10 +170,26 @@ impl Artifact {
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Digest`] naming the block, [`Error::Blocks`],
     /// [`Error::Quant`], [`Error::Io`].
-    pub fn read_stored(&mut self, name: &str) -> Result<Stored> {
+    pub fn read_stored(&self, name: &str) -> Result<Stored> {
+        match self.open_stored(name)? {
+            Stored::Lossless(store) => {
+                store.verify_all().map_err(|source| Error::Blocks {
+                    tensor: name.into(),
+                    source,
+                })?;
+                Ok(Stored::Lossless(store))
+            }
+            s => Ok(s),
+        }
+    }
+
+    /// [`Artifact::read_stored`], except that a lossless tensor's blocks stay in the
+    /// file's memory map and are checked each time one is decoded
+    /// ([`BlockStore::from_shared`]), not all at once now: for readers that decode every
+    /// block anyway (`verify`, `unpack`), so each block is hashed while it is in cache.
+    fn open_stored(&self, name: &str) -> Result<Stored> {
         let t = self
             .tensor(name)
-            .cloned()
             .ok_or_else(|| Error::MissingTensor(name.into()))?;
         match &t.storage {
             StorageRecipe::Dense => {
@@ -190,11 +208,12 @@ impl Artifact {
                 ..
             } => {
                 let v1 = self.recipe.version == 1;
-                let blob = self.read_entry(&blocks_name(name))?;
-                let store = BlockStore::from_bytes(&blob).map_err(|source| Error::Blocks {
-                    tensor: name.into(),
-                    source,
-                })?;
+                let blob = self.map_entry(&blocks_name(name))?;
+                let store =
+                    BlockStore::from_shared(Arc::new(blob)).map_err(|source| Error::Blocks {
+                        tensor: name.into(),
+                        source,
+                    })?;
                 let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
                 // version 1: every recipe digest pairs with one block (the same block size
                 // and count); version 2: the index digest seals them all
@@ -265,7 +284,7 @@ impl Artifact {
     ///
     /// # Errors
     /// As [`Artifact::read_stored`], and [`Error::Digest`] for a whole-tensor mismatch.
-    pub fn read_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
+    pub fn read_tensor(&self, name: &str) -> Result<(Vec<u8>, bool)> {
         let lossless = matches!(
             self.tensor(name).map(|t| &t.storage),
             Some(StorageRecipe::Lossless { .. })
@@ -292,13 +311,12 @@ impl Artifact {
 
     /// [`Artifact::read_tensor`] without the whole-tensor check (block digests are still
     /// checked): the caller checks it, e.g. while writing the bytes out.
-    fn decode_tensor(&mut self, name: &str) -> Result<(Vec<u8>, bool)> {
+    fn decode_tensor(&self, name: &str) -> Result<(Vec<u8>, bool)> {
         let t = self
             .tensor(name)
-            .cloned()
             .ok_or_else(|| Error::MissingTensor(name.into()))?;
         let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
-        let (bytes, exact) = match self.read_stored(name)? {
+        let (bytes, exact) = match self.open_stored(name)? {
             Stored::Dense(b) => (b, true),
             Stored::Lossless(store) => (
                 store.decode_all().map_err(|source| Error::Blocks {
@@ -326,28 +344,29 @@ impl Artifact {
         Ok((bytes, exact))
     }
 
-    /// Calls `sink` with the tensor's decoded bytes in order, at most [`STREAM_BYTES`]
-    /// (or one block) at a time, blocks decoded in parallel within each piece, and says
-    /// what is left to check (see [`Streamed`]). Memory stays bounded whatever the
-    /// tensor's size.
+    /// Calls `sink` with the tensor's decoded bytes in order, a piece of at most
+    /// [`STREAM_PIECE`] bytes (or one block) at a time: blocks decoded (and checked
+    /// against their digests) in parallel within a piece, and the next piece decoded
+    /// while `sink` takes the last. Says what is left to check (see [`Streamed`]).
+    /// Memory stays bounded whatever the tensor's size: two pieces, and the pages of
+    /// the tensor's stored bytes.
     ///
     /// # Errors
     /// As [`Artifact::read_stored`], and `sink`'s.
     pub(crate) fn stream_tensor(
-        &mut self,
+        &self,
         name: &str,
-        mut sink: impl FnMut(&[u8]) -> Result<()>,
+        mut sink: impl FnMut(&[u8]) -> Result<()> + Send,
     ) -> Result<Streamed> {
         let t = self
             .tensor(name)
-            .cloned()
             .ok_or_else(|| Error::MissingTensor(name.into()))?;
         let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
         let blocks_err = |source| Error::Blocks {
             tensor: name.into(),
             source,
         };
-        match self.read_stored(name)? {
+        match self.open_stored(name)? {
             Stored::Dense(b) => {
                 sink(&b)?;
                 Ok(Streamed::Verified)
@@ -358,11 +377,10 @@ impl Artifact {
                 if block_bytes == 0 {
                     return Ok(Streamed::Decoded);
                 }
-                let per = STREAM_BYTES.checked_div(block_bytes).unwrap_or(1).max(1);
+                let per = STREAM_PIECE.checked_div(block_bytes).unwrap_or(1).max(1);
                 let (nb, rows) = (store.num_blocks(), store.rows());
-                let mut buf = Vec::new();
-                let mut b0 = 0;
-                while b0 < nb {
+                // blocks b0..b1 into `buf`
+                let decode = |b0: usize, buf: &mut Vec<u8>| -> Result<usize> {
                     let b1 = b0.saturating_add(per).min(nb);
                     let r0 = (b0 as u64).saturating_mul(br as u64);
                     let r1 = (b1 as u64).saturating_mul(br as u64).min(rows);
@@ -381,14 +399,26 @@ impl Artifact {
                             |dec, (i, dst)| dec.decode_block(b0.saturating_add(i), dst).map(drop),
                         )
                         .map_err(blocks_err)?;
-                    sink(&buf)?;
-                    b0 = b1;
+                    Ok(b1)
+                };
+                let (mut ready, mut spare) = (Vec::new(), Vec::new());
+                let mut b0 = if nb > 0 { decode(0, &mut ready)? } else { 0 };
+                while !ready.is_empty() || b0 < nb {
+                    if b0 >= nb {
+                        sink(&ready)?;
+                        break;
+                    }
+                    // the sink takes this piece while the next one is decoded
+                    let (taken, next) = rayon::join(|| sink(&ready), || decode(b0, &mut spare));
+                    taken?;
+                    b0 = next?;
+                    std::mem::swap(&mut ready, &mut spare);
                 }
                 Ok(Streamed::Decoded)
             }
             Stored::Quantized(p) => {
                 let cols = p.cols().max(1);
-                let per = STREAM_BYTES
+                let per = STREAM_PIECE
                     .checked_div(cols.saturating_mul(4))
                     .unwrap_or(1)
                     .max(1);
@@ -437,23 +467,28 @@ impl Artifact {
         self.check(false)
     }
 
-    /// [`Artifact::verify`] (`decode`) or [`Artifact::check_stored`].
+    /// [`Artifact::verify`] (`decode`) or [`Artifact::check_stored`]: tensors in
+    /// parallel ([`crate::pipeline::ordered`]), at most [`STREAM_BYTES`] (or one tensor)
+    /// of stored bytes in flight, the first failure in the recipe's order reported.
     fn check(&self, decode: bool) -> Result<Summary> {
-        let mut me = Self {
-            file: SafetensorsFile::open(self.file.path(), &self.limits)?,
-            recipe: self.recipe.clone(),
-            file_bytes: self.file_bytes,
-            limits: self.limits,
-        };
         let mut s = Summary {
             file_bytes: self.file_bytes,
             ..Summary::default()
         };
+        let weight = |t: &&TensorRecipe| self.stored_bytes(t);
+        let work = |t: &TensorRecipe| self.check_tensor(t, decode);
+        crate::pipeline::ordered(
+            self.recipe.tensors.iter(),
+            weight,
+            STREAM_BYTES as u64,
+            work,
+            |()| Ok(()),
+        )?;
         for t in &self.recipe.tensors {
             s.tensors = s.tensors.saturating_add(1);
             let want = decoded_bytes(t).unwrap_or(u64::MAX);
             s.dense_bytes = s.dense_bytes.saturating_add(want);
-            s.stored_bytes = s.stored_bytes.saturating_add(me.stored_bytes(t));
+            s.stored_bytes = s.stored_bytes.saturating_add(self.stored_bytes(t));
             match &t.storage {
                 StorageRecipe::Dense => s.dense = s.dense.saturating_add(1),
                 StorageRecipe::Lossless {
@@ -469,39 +504,53 @@ impl Artifact {
                 }
                 StorageRecipe::Quant { .. } => s.quantized = s.quantized.saturating_add(1),
             }
-            if !decode {
-                // every digest against the stored bytes, nothing decoded
-                me.read_stored(&t.name)?;
-                continue;
-            }
-            // only lossless bytes are hashed here: dense bytes were checked as they were
-            // read, and packed buffers against their payload digest
-            let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
-            let mut h = sha2::Sha256::new();
-            let mut got = 0u64;
-            let streamed = me.stream_tensor(&t.name, |b| {
-                if lossless {
-                    h.update(b);
-                }
-                got = got.saturating_add(b.len() as u64);
-                Ok(())
-            })?;
-            if got != want {
-                return Err(Error::Invalid {
-                    tensor: t.name.clone(),
-                    reason: format!("decoded {got} bytes, expected {want}"),
-                });
-            }
-            if streamed == Streamed::Decoded {
-                check_digest(t, h)?;
-            }
         }
         Ok(s)
     }
+
+    /// One tensor of [`Artifact::check`].
+    fn check_tensor(&self, t: &TensorRecipe, decode: bool) -> Result<()> {
+        if !decode {
+            // every digest against the stored bytes, nothing decoded
+            self.read_stored(&t.name)?;
+            return Ok(());
+        }
+        // only lossless bytes are hashed here: dense bytes were checked as they were
+        // read, and packed buffers against their payload digest
+        let want = decoded_bytes(t).unwrap_or(u64::MAX);
+        let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
+        let mut h = sha2::Sha256::new();
+        let mut got = 0u64;
+        let streamed = self.stream_tensor(&t.name, |b| {
+            if lossless {
+                h.update(b);
+            }
+            got = got.saturating_add(b.len() as u64);
+            Ok(())
+        })?;
+        if got != want {
+            return Err(Error::Invalid {
+                tensor: t.name.clone(),
+                reason: format!("decoded {got} bytes, expected {want}"),
+            });
+        }
+        if streamed == Streamed::Decoded {
+            check_digest(t, h)?;
+        }
+        Ok(())
+    }
 }
 
-/// Decoded bytes a streaming read ([`Artifact::verify`], [`unpack`]) holds at once.
+/// Bytes of tensors that [`Artifact::verify`] and [`unpack`] hold in flight at once (one
+/// tensor at least, however large): their stored bytes' pages, and two
+/// [`STREAM_PIECE`]s each of decoded bytes.
+///
+/// [`unpack`]: crate::unpack
 pub const STREAM_BYTES: usize = 64 << 20;
+
+/// Decoded bytes a streaming read decodes at a time: small enough that a piece is still
+/// in cache when it is hashed and written.
+pub const STREAM_PIECE: usize = 4 << 20;
 
 /// What a streaming read of one tensor leaves to its caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::st::{Entry, Limits, SafetensorsFile};
+use crate::st::{Entry, Limits, Mapped, SafetensorsFile};
 use crate::{Error, Result};
 
 /// A checkpoint's tensors across one or more safetensors files.
@@ -93,14 +93,22 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Io`].
-    pub fn read(&mut self, name: &str) -> Result<Vec<u8>> {
+    pub fn read(&self, name: &str) -> Result<Vec<u8>> {
+        Ok(self.map(name)?.to_vec())
+    }
+
+    /// One tensor's bytes, memory-mapped ([`SafetensorsFile::map`]): nothing copied, and
+    /// the pages released when the map is dropped.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Io`].
+    pub fn map(&self, name: &str) -> Result<Mapped> {
         let (i, e) = self
             .tensors
             .get(name)
-            .cloned()
             .ok_or_else(|| Error::MissingTensor(name.into()))?;
-        match self.files.get_mut(i) {
-            Some(f) => f.read(&e),
+        match self.files.get(*i) {
+            Some(f) => f.map(e),
             None => Err(Error::MissingTensor(name.into())),
         }
     }

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -176,6 +176,50 @@ impl Entry {
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.end == self.begin
+    }
+}
+
+/// A tensor's bytes memory-mapped from its file, read-only ([`SafetensorsFile::map`]).
+///
+/// The one place this crate uses `unsafe`: a map is only sound while no one else
+/// shrinks or rewrites the file. Artifacts and checkpoints are written to a temporary
+/// name and renamed into place (a rename leaves an open map on the old file), so the
+/// risk is another program truncating or editing a file in place while it is read: the
+/// process would then fault (SIGBUS) instead of reporting an error. That is the trade
+/// every memory-mapping reader (safetensors, candle) makes for not copying weights.
+pub struct Mapped(Option<memmap2::Mmap>);
+
+impl Mapped {
+    #[allow(unsafe_code)]
+    fn new(file: &File, offset: u64, len: usize) -> std::io::Result<Self> {
+        // SAFETY: read-only map of a range the caller checked lies within the file; see
+        // the type's documentation for what a concurrent writer could do.
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(offset)
+                .len(len)
+                .map(file)?
+        };
+        Ok(Self(Some(map)))
+    }
+}
+
+impl std::ops::Deref for Mapped {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or(&[])
+    }
+}
+
+impl AsRef<[u8]> for Mapped {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl std::fmt::Debug for Mapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Mapped({} bytes)", self.len())
     }
 }
 
@@ -408,22 +452,43 @@ impl SafetensorsFile {
         &self.metadata
     }
 
-    /// Reads one tensor's bytes.
+    /// Reads one tensor's bytes (a copy of [`SafetensorsFile::map`]'s).
     ///
     /// # Errors
     /// [`Error::Io`].
-    pub fn read(&mut self, e: &Entry) -> Result<Vec<u8>> {
+    pub fn read(&self, e: &Entry) -> Result<Vec<u8>> {
+        Ok(self.map(e)?.to_vec())
+    }
+
+    /// One tensor's bytes in place, memory-mapped: nothing is read until it is used, and
+    /// the pages go when the [`Mapped`] is dropped (a map per tensor, so a process
+    /// reading a checkpoint a tensor at a time holds one tensor's pages, not the file's).
+    ///
+    /// # Errors
+    /// [`Error::Io`], and [`Error::NotSafetensors`] when the file is now shorter than
+    /// its header says (it changed since it was opened).
+    pub fn map(&self, e: &Entry) -> Result<Mapped> {
         let len = usize::try_from(e.len()).map_err(|_| bad(&self.path, "tensor too large"))?;
-        let mut buf = vec![0u8; len];
-        self.file
-            .seek(SeekFrom::Start(
-                self.data_start
-                    .checked_add(e.begin)
-                    .ok_or_else(|| bad(&self.path, "tensor offset overflows"))?,
-            ))
-            .map_err(io(&self.path))?;
-        self.file.read_exact(&mut buf).map_err(io(&self.path))?;
-        Ok(buf)
+        let at = self
+            .data_start
+            .checked_add(e.begin)
+            .ok_or_else(|| bad(&self.path, "tensor offset overflows"))?;
+        if len == 0 {
+            return Ok(Mapped(None));
+        }
+        // the length was checked against the file's size at open; a file cut short since
+        // would fault on access instead of failing here
+        let size = self.file.metadata().map_err(io(&self.path))?.len();
+        if at.checked_add(e.len()).is_none_or(|end| end > size) {
+            return Err(bad(
+                &self.path,
+                format!(
+                    "tensor `{}` runs past the end of the file (it changed)",
+                    e.name
+                ),
+            ));
+        }
+        Mapped::new(&self.file, at, len).map_err(io(&self.path))
     }
 }
 
@@ -672,6 +737,46 @@ impl AtomicFile {
             Some(f) => f.write_all(bytes).map_err(io(&self.tmp)),
             None => Ok(()),
         }
+    }
+
+    /// Writes bytes at `offset` (past the end, the file grows), through a shared
+    /// reference: threads writing disjoint ranges of one file need no lock.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn write_all_at(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        let Some(f) = &self.file else { return Ok(()) };
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::FileExt::write_all_at(f, bytes, offset).map_err(io(&self.tmp))
+        }
+        #[cfg(windows)]
+        {
+            let (mut done, mut at) = (0usize, offset);
+            while let Some(rest) = bytes.get(done..).filter(|r| !r.is_empty()) {
+                let n = std::os::windows::fs::FileExt::seek_write(f, rest, at)
+                    .map_err(io(&self.tmp))?;
+                if n == 0 {
+                    return Err(io(&self.tmp)(std::io::ErrorKind::WriteZero.into()));
+                }
+                done = done.saturating_add(n);
+                at = at.saturating_add(n as u64);
+            }
+            Ok(())
+        }
+    }
+
+    /// Appends the whole of another file (the kernel copies it where it can, without
+    /// passing the bytes through this process).
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn append_file(&mut self, path: &Path) -> Result<u64> {
+        let Some(f) = &mut self.file else {
+            return Ok(0);
+        };
+        let mut src = File::open(path).map_err(io(path))?;
+        std::io::copy(&mut src, f).map_err(io(&self.tmp))
     }
 
     /// Flushes and syncs the temporary file (still not renamed).

@@ -2,14 +2,13 @@
 //! data file, and [`Writer::finish`] writes the header, reopens and verifies the file,
 //! and renames it into place.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
-use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use sha2::Digest;
 
-use compressme_blockstore::{BlockStore, Coder, EncodeOptions};
+use compressme_blockstore::{BlockStore, Coder, EncodeOptions, SharedBytes};
 use compressme_quant::Format;
 
 use crate::convert::{row_view, to_f32, value_kind};
@@ -35,6 +34,110 @@ pub struct Added {
     pub stored_bytes: u64,
     /// When lossless packing was asked for but would have grown the tensor.
     pub kept_dense: bool,
+}
+
+/// Names a writer refuses: payload names are `cm.`-prefixed.
+fn reserved(name: &str) -> Result<()> {
+    if name.starts_with("cm.") || name == "__metadata__" {
+        return Err(Error::Invalid {
+            tensor: name.into(),
+            reason: "names starting with `cm.` are reserved for payloads".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A tensor's bytes handed to [`Writer::prepare`]: borrowed, or shared (a memory map)
+/// so that a prepared dense tensor can outlive the call and cross threads uncopied.
+#[derive(Clone)]
+pub enum Input<'a> {
+    /// Bytes the caller keeps.
+    Borrowed(&'a [u8]),
+    /// Bytes the prepared tensor may keep (e.g. a [`crate::Mapped`] in an `Arc`).
+    Shared(SharedBytes),
+}
+
+impl Input<'_> {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Borrowed(b) => b,
+            Self::Shared(b) => (**b).as_ref(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Input<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Input({} bytes)", self.as_slice().len())
+    }
+}
+
+/// How [`Writer::prepare`] stores a tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Storage {
+    /// As it is.
+    Dense,
+    /// Losslessly in row blocks (dense when that would not be smaller).
+    Lossless {
+        /// Rows per block.
+        block_rows: usize,
+        /// The plane coder.
+        coder: Coder,
+        /// Row-indexed Huffman planes (see [`Writer::add_lossless_indexed`]).
+        row_index: bool,
+    },
+    /// Quantized (2-D or more float tensors).
+    Quantized {
+        /// The format.
+        format: Format,
+        /// One weight per column for activation-aware rounding; empty for absmax.
+        importance: Vec<f32>,
+    },
+}
+
+/// One payload of a prepared tensor.
+enum Part<'a> {
+    Bytes(Cow<'a, [u8]>),
+    Shared(SharedBytes),
+    Store(BlockStore),
+}
+
+/// A tensor ready to be written ([`Writer::prepare`], [`Writer::prepare_packed`]): its
+/// payloads and recipe entry, built on any thread; [`Writer::commit`] writes it.
+pub struct Prepared<'a> {
+    tensor: TensorRecipe,
+    parts: Vec<(Planned, Part<'a>)>,
+    added: Added,
+}
+
+impl Prepared<'_> {
+    /// What adding it did (storage, dense and stored bytes).
+    #[must_use]
+    pub fn added(&self) -> &Added {
+        &self.added
+    }
+
+    /// Bytes it holds in memory until committed (a shared input's bytes are the
+    /// caller's, not counted).
+    #[must_use]
+    pub fn held_bytes(&self) -> u64 {
+        self.parts
+            .iter()
+            .map(|(p, part)| match part {
+                Part::Shared(_) => 0,
+                _ => p.len,
+            })
+            .sum()
+    }
+}
+
+impl std::fmt::Debug for Prepared<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("tensor", &self.tensor.name)
+            .field("added", &self.added)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Writes an artifact a tensor at a time: payloads go to a temporary data file as they
@@ -94,29 +197,13 @@ impl Writer {
     }
 
     fn claim(&mut self, name: &str) -> Result<()> {
-        if name.starts_with("cm.") || name == "__metadata__" {
-            return Err(Error::Invalid {
-                tensor: name.into(),
-                reason: "names starting with `cm.` are reserved for payloads".into(),
-            });
-        }
+        reserved(name)?;
         if !self.names.insert(name.to_string()) {
             return Err(Error::Invalid {
                 tensor: name.into(),
                 reason: "added twice".into(),
             });
         }
-        Ok(())
-    }
-
-    fn push(&mut self, name: String, dtype: Dtype, shape: Vec<usize>, bytes: &[u8]) -> Result<()> {
-        self.data.write_all(bytes)?;
-        self.planned.push(Planned {
-            name,
-            dtype,
-            shape,
-            len: bytes.len() as u64,
-        });
         Ok(())
     }
 
@@ -137,6 +224,30 @@ impl Writer {
         Ok(())
     }
 
+    /// Writes a prepared tensor's payloads and records it: the second half of every
+    /// `add_*`, run in the tensors' order by a pipeline whose [`Writer::prepare`] calls
+    /// ran in parallel.
+    ///
+    /// # Errors
+    /// A reserved or repeated name, [`Error::Io`].
+    pub fn commit(&mut self, p: Prepared<'_>) -> Result<Added> {
+        self.claim(&p.tensor.name)?;
+        for (planned, part) in &p.parts {
+            match part {
+                Part::Bytes(b) => self.data.write_all(b)?,
+                Part::Shared(b) => self.data.write_all((**b).as_ref())?,
+                // index and payload written in turn: the payload is never copied
+                Part::Store(store) => {
+                    self.data.write_all(&store.index_bytes())?;
+                    self.data.write_all(store.payload())?;
+                }
+            }
+            self.planned.push(planned.clone());
+        }
+        self.tensors.push(p.tensor);
+        Ok(p.added)
+    }
+
     /// Stores a tensor as it is.
     ///
     /// # Errors
@@ -148,23 +259,8 @@ impl Writer {
         shape: &[usize],
         bytes: &[u8],
     ) -> Result<Added> {
-        Self::check_size(name, dtype, shape, bytes)?;
-        self.claim(name)?;
-        self.push(name.into(), dtype, shape.to_vec(), bytes)?;
-        self.tensors.push(TensorRecipe {
-            name: name.into(),
-            dtype: dtype.name().into(),
-            shape: shape.to_vec(),
-            sha256: Some(sha256_hex(bytes)),
-            storage: StorageRecipe::Dense,
-        });
-        Ok(Added {
-            name: name.into(),
-            storage: "dense".into(),
-            dense_bytes: bytes.len() as u64,
-            stored_bytes: bytes.len() as u64,
-            kept_dense: false,
-        })
+        let p = Self::prepare(name, dtype, shape, Input::Borrowed(bytes), &Storage::Dense)?;
+        self.commit(p)
     }
 
     /// Stores a tensor losslessly in row blocks when that is smaller, else as it is.
@@ -201,68 +297,13 @@ impl Writer {
         coder: Coder,
         row_index: bool,
     ) -> Result<Added> {
-        Self::check_size(name, dtype, shape, bytes)?;
-        let (rows, row_bytes) = row_view(dtype, shape);
-        if bytes.is_empty() {
-            let mut a = self.add_dense(name, dtype, shape, bytes)?;
-            a.kept_dense = true;
-            return Ok(a);
-        }
-        let kind = value_kind(dtype);
-        let opts = EncodeOptions::new(kind)
-            .block_rows(block_rows)
-            .coder(coder)
-            .row_index(row_index);
-        let store =
-            BlockStore::encode(bytes, rows, row_bytes as usize, &opts).map_err(|source| {
-                Error::Blocks {
-                    tensor: name.into(),
-                    source,
-                }
-            })?;
-        let index = store.index_bytes();
-        let blob_len = index.len() + store.payload().len();
-        if blob_len >= bytes.len() {
-            let mut a = self.add_dense(name, dtype, shape, bytes)?;
-            a.kept_dense = true;
-            return Ok(a);
-        }
-        self.claim(name)?;
-        // index and payload written in turn: the payload is never copied
-        self.data.write_all(&index)?;
-        self.data.write_all(store.payload())?;
-        self.planned.push(Planned {
-            name: blocks_name(name),
-            dtype: Dtype::U8,
-            shape: vec![blob_len],
-            len: blob_len as u64,
-        });
-        self.tensors.push(TensorRecipe {
-            name: name.into(),
-            dtype: dtype.name().into(),
-            shape: shape.to_vec(),
-            sha256: Some(sha256_hex(bytes)),
-            storage: StorageRecipe::Lossless {
-                block_rows,
-                rows,
-                row_bytes,
-                coder: match coder {
-                    Coder::Zstd { level } => format!("zstd-{level}"),
-                    _ => "huffman".into(),
-                },
-                row_index,
-                element_size: dtype.size(),
-                block_sha256: Vec::new(),
-                index_sha256: Some(hex(&store.index_digest())),
-            },
-        });
-        Ok(Added {
-            name: name.into(),
-            storage: "lossless".into(),
-            dense_bytes: bytes.len() as u64,
-            stored_bytes: blob_len as u64,
-            kept_dense: false,
-        })
+        let storage = Storage::Lossless {
+            block_rows,
+            coder,
+            row_index,
+        };
+        let p = Self::prepare(name, dtype, shape, Input::Borrowed(bytes), &storage)?;
+        self.commit(p)
     }
 
     /// Stores a 2-D (or higher: rows are the first dimension) float tensor quantized.
@@ -296,27 +337,12 @@ impl Writer {
         format: Format,
         importance: &[f32],
     ) -> Result<Added> {
-        Self::check_size(name, dtype, shape, bytes)?;
-        if !dtype.is_float() || shape.len() < 2 {
-            return Err(Error::Invalid {
-                tensor: name.into(),
-                reason: format!(
-                    "only float tensors of 2 or more dimensions are quantized ({} {shape:?})",
-                    dtype.name()
-                ),
-            });
-        }
-        let rows = shape.first().copied().unwrap_or(0);
-        let cols = shape.iter().skip(1).product::<usize>();
-        let values = to_f32(dtype, bytes);
-        let packed = compressme_quant::quantize_weighted(&values, rows, cols, format, importance)
-            .map_err(|source| Error::Quant {
-            tensor: name.into(),
-            source,
-        })?;
-        let mut added = self.add_packed(name, dtype, shape, &packed)?;
-        added.dense_bytes = bytes.len() as u64;
-        Ok(added)
+        let storage = Storage::Quantized {
+            format,
+            importance: importance.to_vec(),
+        };
+        let p = Self::prepare(name, dtype, shape, Input::Borrowed(bytes), &storage)?;
+        self.commit(p)
     }
 
     /// Stores weights already quantized (a model's packed layer, as it is: no
@@ -332,6 +358,173 @@ impl Writer {
         shape: &[usize],
         packed: &compressme_quant::Packed,
     ) -> Result<Added> {
+        let p = Self::prepare_packed(name, dtype, shape, packed)?;
+        self.commit(p)
+    }
+
+    /// Builds a tensor's payloads and recipe entry without touching the writer, so
+    /// tensors can be prepared on many threads and [committed](Writer::commit) in order:
+    /// what every `add_*` does before writing. Lossless storage falls back to dense
+    /// (`kept_dense`) when blocks would not be smaller; the block store checks every
+    /// block against the input as it is built, and the whole-tensor SHA-256 is taken
+    /// on another core at the same time.
+    ///
+    /// # Errors
+    /// Bytes that do not fit the shape, a tensor that cannot be quantized (not float,
+    /// fewer than 2 dimensions, non-finite weights), block store errors for bad options.
+    pub fn prepare<'a>(
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        input: Input<'a>,
+        storage: &Storage,
+    ) -> Result<Prepared<'a>> {
+        let bytes = input.as_slice();
+        Self::check_size(name, dtype, shape, bytes)?;
+        reserved(name)?;
+        match storage {
+            Storage::Dense => Ok(Self::prepare_dense(name, dtype, shape, input, false)),
+            Storage::Lossless {
+                block_rows,
+                coder,
+                row_index,
+            } => {
+                let (rows, row_bytes) = row_view(dtype, shape);
+                if bytes.is_empty() {
+                    return Ok(Self::prepare_dense(name, dtype, shape, input, true));
+                }
+                let opts = EncodeOptions::new(value_kind(dtype))
+                    .block_rows(*block_rows)
+                    .coder(*coder)
+                    .row_index(*row_index);
+                // the whole-tensor digest on one core while the blocks are coded
+                let (sha, store) = rayon::join(
+                    || sha256_hex(bytes),
+                    || BlockStore::encode(bytes, rows, row_bytes as usize, &opts),
+                );
+                let store = store.map_err(|source| Error::Blocks {
+                    tensor: name.into(),
+                    source,
+                })?;
+                let blob_len = store.index_bytes().len() + store.payload().len();
+                if blob_len >= bytes.len() {
+                    return Ok(Self::prepare_dense(name, dtype, shape, input, true));
+                }
+                let index_sha = hex(&store.index_digest());
+                Ok(Prepared {
+                    parts: vec![(
+                        Planned {
+                            name: blocks_name(name),
+                            dtype: Dtype::U8,
+                            shape: vec![blob_len],
+                            len: blob_len as u64,
+                        },
+                        Part::Store(store),
+                    )],
+                    tensor: TensorRecipe {
+                        name: name.into(),
+                        dtype: dtype.name().into(),
+                        shape: shape.to_vec(),
+                        sha256: Some(sha),
+                        storage: StorageRecipe::Lossless {
+                            block_rows: *block_rows,
+                            rows,
+                            row_bytes,
+                            coder: match coder {
+                                Coder::Zstd { level } => format!("zstd-{level}"),
+                                _ => "huffman".into(),
+                            },
+                            row_index: *row_index,
+                            element_size: dtype.size(),
+                            block_sha256: Vec::new(),
+                            index_sha256: Some(index_sha),
+                        },
+                    },
+                    added: Added {
+                        name: name.into(),
+                        storage: "lossless".into(),
+                        dense_bytes: bytes.len() as u64,
+                        stored_bytes: blob_len as u64,
+                        kept_dense: false,
+                    },
+                })
+            }
+            Storage::Quantized { format, importance } => {
+                if !dtype.is_float() || shape.len() < 2 {
+                    return Err(Error::Invalid {
+                        tensor: name.into(),
+                        reason: format!(
+                            "only float tensors of 2 or more dimensions are quantized ({} {shape:?})",
+                            dtype.name()
+                        ),
+                    });
+                }
+                let rows = shape.first().copied().unwrap_or(0);
+                let cols = shape.iter().skip(1).product::<usize>();
+                let values = to_f32(dtype, bytes);
+                let packed =
+                    compressme_quant::quantize_weighted(&values, rows, cols, *format, importance)
+                        .map_err(|source| Error::Quant {
+                        tensor: name.into(),
+                        source,
+                    })?;
+                let mut p = Self::prepare_packed(name, dtype, shape, &packed)?;
+                p.added.dense_bytes = bytes.len() as u64;
+                Ok(p)
+            }
+        }
+    }
+
+    fn prepare_dense<'a>(
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        input: Input<'a>,
+        kept_dense: bool,
+    ) -> Prepared<'a> {
+        let bytes = input.as_slice();
+        let len = bytes.len() as u64;
+        let tensor = TensorRecipe {
+            name: name.into(),
+            dtype: dtype.name().into(),
+            shape: shape.to_vec(),
+            sha256: Some(sha256_hex(bytes)),
+            storage: StorageRecipe::Dense,
+        };
+        let planned = Planned {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            len,
+        };
+        let part = match input {
+            Input::Borrowed(b) => Part::Bytes(Cow::Borrowed(b)),
+            Input::Shared(b) => Part::Shared(b),
+        };
+        Prepared {
+            tensor,
+            parts: vec![(planned, part)],
+            added: Added {
+                name: name.into(),
+                storage: "dense".into(),
+                dense_bytes: len,
+                stored_bytes: len,
+                kept_dense,
+            },
+        }
+    }
+
+    /// [`Writer::add_packed`]'s payloads and recipe entry, for [`Writer::commit`].
+    ///
+    /// # Errors
+    /// As [`Writer::add_packed`].
+    pub fn prepare_packed(
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        packed: &compressme_quant::Packed,
+    ) -> Result<Prepared<'static>> {
+        reserved(name)?;
         let rows = shape.first().copied().unwrap_or(0);
         let cols = shape.iter().skip(1).product::<usize>();
         if shape.len() < 2 || (rows, cols) != (packed.rows(), packed.cols()) || !dtype.is_float() {
@@ -346,47 +539,56 @@ impl Writer {
             });
         }
         let format = packed.format();
-        self.claim(name)?;
-        let before: u64 = self.planned.iter().map(|p| p.len).sum();
         let mut digest = sha2::Sha256::new();
-        self.push(
+        let mut parts = Vec::new();
+        let mut part = |name: String, dtype: Dtype, count: usize, bytes: Vec<u8>| {
+            digest.update(&bytes);
+            let planned = Planned {
+                name,
+                dtype,
+                shape: vec![count],
+                len: bytes.len() as u64,
+            };
+            parts.push((planned, Part::Bytes(Cow::Owned(bytes))));
+        };
+        part(
             codes_name(name),
             Dtype::U8,
-            vec![packed.codes().len()],
-            packed.codes(),
-        )?;
-        digest.update(packed.codes());
+            packed.codes().len(),
+            packed.codes().to_vec(),
+        );
         let group = format.group().is_some();
         if !packed.scales().is_empty() {
             let (dt, b) = scale_bytes(packed.scales(), group);
-            self.push(scales_name(name), dt, vec![packed.scales().len()], &b)?;
-            digest.update(&b);
+            part(scales_name(name), dt, packed.scales().len(), b);
         }
         if !packed.mins().is_empty() {
             let (dt, b) = scale_bytes(packed.mins(), true);
-            self.push(mins_name(name), dt, vec![packed.mins().len()], &b)?;
-            digest.update(&b);
+            part(mins_name(name), dt, packed.mins().len(), b);
         }
         let d: [u8; 32] = digest.finalize().into();
-        let after: u64 = self.planned.iter().map(|p| p.len).sum();
-        self.tensors.push(TensorRecipe {
-            name: name.into(),
-            dtype: dtype.name().into(),
-            shape: shape.to_vec(),
-            sha256: None,
-            storage: StorageRecipe::Quant {
-                format: format.to_string(),
-                rows,
-                cols,
-                payload_sha256: hex(&d),
+        let stored: u64 = parts.iter().map(|(p, _)| p.len).sum();
+        Ok(Prepared {
+            tensor: TensorRecipe {
+                name: name.into(),
+                dtype: dtype.name().into(),
+                shape: shape.to_vec(),
+                sha256: None,
+                storage: StorageRecipe::Quant {
+                    format: format.to_string(),
+                    rows,
+                    cols,
+                    payload_sha256: hex(&d),
+                },
             },
-        });
-        Ok(Added {
-            name: name.into(),
-            storage: format.to_string(),
-            dense_bytes: (rows * cols * dtype.size()) as u64,
-            stored_bytes: after - before,
-            kept_dense: false,
+            parts,
+            added: Added {
+                name: name.into(),
+                storage: format.to_string(),
+                dense_bytes: (rows * cols * dtype.size()) as u64,
+                stored_bytes: stored,
+                kept_dense: false,
+            },
         })
     }
 
@@ -400,8 +602,8 @@ impl Writer {
     ///
     /// # Errors
     /// [`Error::Io`], and any verification failure (the file is then removed).
-    pub fn finish(mut self) -> Result<Summary> {
-        self.data.sync()?;
+    pub fn finish(self) -> Result<Summary> {
+        // the data file is read back and removed below: no need to sync it
         let mut recipe = self.recipe.clone();
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
         order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
@@ -419,24 +621,9 @@ impl Writer {
         let mut out = AtomicFile::create(&self.dest)?;
         out.write_all(&header)?;
         let data_path = self.data.tmp_path().to_path_buf();
-        let mut data = File::open(&data_path).map_err(|source| Error::Io {
-            path: data_path.clone(),
-            source,
-        })?;
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = data.read(&mut buf).map_err(|source| Error::Io {
-                path: data_path.clone(),
-                source,
-            })?;
-            if n == 0 {
-                break;
-            }
-            out.write_all(buf.get(..n).unwrap_or(&[]))?;
-        }
-        drop(data);
+        out.append_file(&data_path)?;
         drop(self.data); // removes the data file
-        out.sync()?;
+        // checked from the page cache, then synced and renamed by `commit`
         // the writer's own check is not bounded by the decoded-size limits (it encoded
         // these bytes itself); a reader's default limits may refuse a degenerate tensor,
         // which `Artifact::expansion` lets the caller warn about

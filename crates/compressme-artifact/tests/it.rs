@@ -327,7 +327,7 @@ fn bless(dir: &Path) {
 fn check_frozen(version: u32) -> (Artifact, Artifact) {
     let dir = fixture_dir(version);
     let sample = dir.join("sample.cma");
-    let mut a = Artifact::open(&sample, &Limits::default()).unwrap();
+    let a = Artifact::open(&sample, &Limits::default()).unwrap();
     assert_eq!(a.recipe().version, version);
     let s = a.verify().unwrap();
     assert_eq!((s.tensors, s.lossless, s.quantized, s.dense), (5, 2, 1, 2));
@@ -368,7 +368,7 @@ fn check_frozen(version: u32) -> (Artifact, Artifact) {
 #[test]
 fn frozen_v1_fixtures() {
     use compressme_artifact::StorageRecipe;
-    let (mut old, today) = check_frozen(1);
+    let (old, today) = check_frozen(1);
     for (t1, t2) in old
         .recipe()
         .tensors
@@ -448,7 +448,7 @@ fn sharded_checkpoints_read_through_their_index() {
     )
     .unwrap();
     for path in [d.clone(), d.join("model.safetensors.index.json")] {
-        let mut c = Checkpoint::open(&path, &Limits::default()).unwrap();
+        let c = Checkpoint::open(&path, &Limits::default()).unwrap();
         let names: Vec<String> = c.entries().map(|e| e.name.clone()).collect();
         assert_eq!(names, ["a.weight", "b.weight"]);
         assert!(c.read("a.weight").unwrap() == a);
@@ -614,7 +614,7 @@ fn every_read_checks_what_it_pairs() {
             *block_sha256 = digests[..rows.div_ceil(2 * br as u64) as usize].to_vec();
         }
     });
-    let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+    let b = Artifact::open(&bad, &Limits::default()).unwrap();
     let e = b.read_stored(&lossless).map(|_| ());
     assert!(matches!(e, Err(Error::Invalid { .. })), "{e:?}");
     // version 2: the same change, and an index digest that is not the store's
@@ -635,7 +635,7 @@ fn every_read_checks_what_it_pairs() {
                 }
             }
         });
-        let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+        let b = Artifact::open(&bad, &Limits::default()).unwrap();
         let e = b.read_stored(&lossless).map(|_| ());
         if wrong_index {
             assert!(matches!(e, Err(Error::Digest { .. })), "{e:?}");
@@ -668,10 +668,10 @@ fn every_read_checks_what_it_pairs() {
         let t = r.tensors.iter_mut().find(|t| t.name == dense).unwrap();
         t.sha256 = Some("ab".repeat(32));
     });
-    let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+    let b = Artifact::open(&bad, &Limits::default()).unwrap();
     let e = b.read_stored(&dense).map(|_| ());
     assert!(matches!(e, Err(Error::Digest { .. })), "{e:?}");
-    let mut g = Artifact::open(&good, &Limits::default()).unwrap();
+    let g = Artifact::open(&good, &Limits::default()).unwrap();
     assert!(matches!(g.read_stored(&dense), Ok(Stored::Dense(_))));
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -768,4 +768,42 @@ fn the_specs_musts_are_enforced() {
     });
     assert!(refused("a two-dimensional payload").contains("one dimension"));
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Reading in place (every read now maps the file) gives what a plain copy of the file's
+/// bytes gives: each lossless store parsed from the mapped file against the same bytes
+/// read with `std::fs::read` and parsed by the copying parser, stored bytes and decoded
+/// rows alike.
+#[test]
+fn mapped_reads_equal_copied_reads() {
+    let path = tmp("mapped").join("sample.cma");
+    let tensors = write_sample(&path);
+    let a = Artifact::open(&path, &Limits::default()).unwrap();
+    let raw = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
+    let data = &raw[8 + header_len..];
+    let mut lossless = 0;
+    for (name, _, _, bytes) in &tensors {
+        match a.read_stored(name).unwrap() {
+            compressme_artifact::Stored::Lossless(mapped) => {
+                let e = a
+                    .entries()
+                    .iter()
+                    .find(|e| e.name == compressme_artifact::blocks_name(name))
+                    .unwrap();
+                let copied = compressme_blockstore::BlockStore::from_bytes(
+                    &data[e.begin as usize..e.end as usize],
+                )
+                .unwrap();
+                assert_eq!(mapped.payload(), copied.payload(), "{name}");
+                assert_eq!(mapped.index_digest(), copied.index_digest(), "{name}");
+                let (m, c) = (mapped.decode_all().unwrap(), copied.decode_all().unwrap());
+                assert!(m == c && m == *bytes, "{name}");
+                lossless += 1;
+            }
+            compressme_artifact::Stored::Dense(b) => assert!(b == *bytes, "{name}"),
+            compressme_artifact::Stored::Quantized(_) => {}
+        }
+    }
+    assert_eq!(lossless, 2);
 }

@@ -184,7 +184,7 @@ impl<'s> Decoder<'s> {
     /// plane's bytes are.
     fn prepare(&mut self, block: usize, need: usize) -> Result<[Src; 8]> {
         let s = self.store;
-        if s.verify_on_decode {
+        if s.verify_on_decode || s.lazy {
             s.verify_block(block)?;
         }
         let rows = self.rows_in_block(block)?;

@@ -130,14 +130,14 @@ impl BlockStore {
     #[must_use]
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = self.index_bytes();
-        out.extend_from_slice(&self.payload);
+        out.extend_from_slice(self.payload.as_slice());
         out
     }
 
     /// The coded blocks, back to back: what follows the index in the serialized form.
     #[must_use]
     pub fn payload(&self) -> &[u8] {
-        &self.payload
+        self.payload.as_slice()
     }
 
     /// Everything the serialized form holds before the payload: header, tables, block
@@ -186,13 +186,37 @@ impl BlockStore {
         out
     }
 
-    /// Parses a serialized store and verifies every block (on all cores).
+    /// Parses a serialized store and verifies every block (on all cores). The payload is
+    /// copied; [`BlockStore::from_shared`] reads it in place.
     ///
     /// # Errors
     /// [`Error::Malformed`] for anything that does not follow the layout (truncation,
     /// bad tags, block lengths that do not tile the payload, trailing bytes),
     /// [`Error::UnsupportedVersion`], and [`Error::ChecksumMismatch`] naming the block.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let store = Self::parse(std::sync::Arc::new(bytes.to_vec()))?;
+        store.verify_all()?;
+        Ok(store)
+    }
+
+    /// Parses a serialized store that stays where it is (a memory map, a shared buffer):
+    /// the index and its digest are checked now, as [`BlockStore::from_bytes`] does, and
+    /// each block's digest every time the block is decoded ([`BlockStore::verify_on_decode`]
+    /// is on), so every block is checked before its bytes are used and a caller that
+    /// decodes a piece at a time hashes each block while it is in cache. Nothing is
+    /// copied.
+    ///
+    /// # Errors
+    /// As [`BlockStore::from_bytes`], except that a corrupt block is reported when it is
+    /// decoded (or by [`BlockStore::verify_all`]).
+    pub fn from_shared(bytes: crate::SharedBytes) -> Result<Self> {
+        let mut store = Self::parse(bytes)?;
+        store.lazy = true;
+        Ok(store)
+    }
+
+    fn parse(owner: crate::SharedBytes) -> Result<Self> {
+        let bytes: &[u8] = (*owner).as_ref();
         let mut r = Reader { bytes, pos: 0 };
         if r.array::<8>("magic")? != MAGIC {
             return Err(Error::Malformed("not a block store (bad magic)".into()));
@@ -317,7 +341,9 @@ impl BlockStore {
                 r.left()
             )));
         }
-        let payload = r.take(end, "payload")?.to_vec();
+        let start = r.pos;
+        r.take(end, "payload")?;
+        let payload = crate::Payload::shared(owner.clone(), start, r.pos);
         let store = Self {
             kind,
             rows,
@@ -330,8 +356,8 @@ impl BlockStore {
             index_digest: expected,
             payload,
             verify_on_decode: false,
+            lazy: false,
         };
-        store.verify_all()?;
         Ok(store)
     }
 
@@ -343,10 +369,13 @@ impl BlockStore {
         ) else {
             return Err(Error::Malformed(format!("block {block} does not exist")));
         };
-        self.payload.get(a..b).ok_or_else(|| Error::BadBlock {
-            block,
-            reason: "offsets outside the payload".into(),
-        })
+        self.payload
+            .as_slice()
+            .get(a..b)
+            .ok_or_else(|| Error::BadBlock {
+                block,
+                reason: "offsets outside the payload".into(),
+            })
     }
 
     /// Checks one block against its SHA-256 digest.
@@ -386,9 +415,11 @@ impl BlockStore {
     /// Flips one payload byte (tests and corruption drills only).
     #[doc(hidden)]
     pub fn corrupt_payload_byte_for_tests(&mut self, index: usize) {
-        if let Some(b) = self.payload.get_mut(index) {
+        let mut bytes = self.payload.as_slice().to_vec();
+        if let Some(b) = bytes.get_mut(index) {
             *b ^= 0x5a;
         }
+        self.payload = crate::Payload::owned(bytes);
     }
 }
 

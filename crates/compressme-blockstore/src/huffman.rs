@@ -135,6 +135,7 @@ impl CodeLengths {
     /// Bits to code a histogram with these lengths; `u64::MAX` when a symbol that occurs
     /// has no code.
     #[allow(clippy::arithmetic_side_effects)] // encoder: a block's counts x 12 bits fit u64
+    #[cfg(test)]
     pub(crate) fn cost_bits(&self, counts: &[u64; 256]) -> u64 {
         // branch-free so it vectorizes: clustering calls this for every block and table
         let mut bits = 0u64;
@@ -144,6 +145,23 @@ impl CodeLengths {
             uncodable |= c * u64::from(l == 0);
         }
         if uncodable != 0 { u64::MAX } else { bits }
+    }
+
+    /// [`CodeLengths::cost_bits`] of one block's counts, in 32-bit lanes (eight to an AVX2
+    /// register, where 64-bit products need emulating): a block holds at most 2^28 bytes
+    /// and a code is at most 15 bits, so the sum stays below 2^32.
+    pub(crate) fn block_cost_bits(&self, counts: &[u32; 256]) -> u64 {
+        let mut bits = 0u32;
+        let mut uncodable = 0u32;
+        for (&c, &l) in counts.iter().zip(self.0.iter()) {
+            bits = bits.wrapping_add(c.wrapping_mul(u32::from(l)));
+            uncodable |= c.wrapping_mul(u32::from(l == 0));
+        }
+        if uncodable != 0 {
+            u64::MAX
+        } else {
+            u64::from(bits)
+        }
     }
 
     /// Serialized form: 128 bytes, two 4-bit lengths per byte, low nibble first.

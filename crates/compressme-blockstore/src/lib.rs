@@ -235,9 +235,55 @@ pub struct BlockStore {
     /// SHA-256 of the serialized index before it (header, tables, lengths, digests):
     /// computed once when encoded, checked once when parsed.
     pub(crate) index_digest: [u8; 32],
-    pub(crate) payload: Vec<u8>,
+    pub(crate) payload: Payload,
     /// Check each block's digest on every decode, not only at build and load.
     pub(crate) verify_on_decode: bool,
+    /// Loaded by [`BlockStore::from_shared`]: blocks were not checked at load, so every
+    /// decode checks its block whatever `verify_on_decode` says.
+    pub(crate) lazy: bool,
+}
+
+/// Bytes a store can be read from without copying them: a memory map, a buffer shared
+/// with its reader. [`BlockStore::from_shared`] keeps the payload in place in it.
+pub type SharedBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Where a store's payload lives: its own buffer (encoded, or copied by
+/// [`BlockStore::from_bytes`]) or a range of a shared one ([`BlockStore::from_shared`]).
+#[derive(Clone)]
+pub(crate) struct Payload {
+    owner: SharedBytes,
+    start: usize,
+    end: usize,
+}
+
+impl Payload {
+    pub(crate) fn owned(bytes: Vec<u8>) -> Self {
+        let end = bytes.len();
+        Self {
+            owner: std::sync::Arc::new(bytes),
+            start: 0,
+            end,
+        }
+    }
+
+    pub(crate) fn shared(owner: SharedBytes, start: usize, end: usize) -> Self {
+        Self { owner, start, end }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        let all: &[u8] = (*self.owner).as_ref();
+        all.get(self.start..self.end).unwrap_or(&[])
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.end.saturating_sub(self.start)
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Payload({} bytes)", self.len())
+    }
 }
 
 impl BlockStore {
@@ -307,6 +353,6 @@ impl BlockStore {
     /// Whether every decode re-checks digests.
     #[must_use]
     pub fn verify_on_decode(&self) -> bool {
-        self.verify_on_decode
+        self.verify_on_decode || self.lazy
     }
 }

@@ -442,3 +442,72 @@ fn formats_that_cannot_hold_the_values_are_refused_and_empty_tensors_stay_dense(
     assert!(ok, "{err}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// `pack` prepares tensors in parallel and writes them in order, and `unpack` writes
+/// each at its offset as it decodes: neither file may depend on the thread count.
+#[test]
+fn pack_and_unpack_do_not_depend_on_the_thread_count() {
+    let minilm = root().join("cache/minilm/model.safetensors");
+    let input = if minilm.exists() {
+        minilm
+    } else {
+        assert!(
+            std::env::var_os("COMPRESSME_SKIP_FIXTURES").is_some(),
+            "cache/minilm is missing; run `cargo xtask fixtures`"
+        );
+        eprintln!("cache/minilm is absent (COMPRESSME_SKIP_FIXTURES): the tiny BERT only");
+        root().join("fixtures/bert/tiny/model.safetensors")
+    };
+    let d = tmp("threads");
+    let with_threads = |threads: &str, args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_compressme"))
+            .args(args)
+            .env("RAYON_NUM_THREADS", threads)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let mut packed = Vec::new();
+    let mut unpacked = Vec::new();
+    for threads in ["1", "2", "5"] {
+        let art = d.join(format!("t{threads}.cma"));
+        let back = d.join(format!("t{threads}.safetensors"));
+        with_threads(
+            threads,
+            &[
+                "pack",
+                input.to_str().unwrap(),
+                "--lossless",
+                "-o",
+                art.to_str().unwrap(),
+            ],
+        );
+        with_threads(
+            threads,
+            &[
+                "unpack",
+                art.to_str().unwrap(),
+                "-o",
+                back.to_str().unwrap(),
+            ],
+        );
+        packed.push(std::fs::read(&art).unwrap());
+        unpacked.push(std::fs::read(&back).unwrap());
+    }
+    assert!(packed.iter().all(|p| *p == packed[0]), "pack output varies");
+    assert!(
+        unpacked.iter().all(|u| *u == unpacked[0]),
+        "unpack output varies"
+    );
+    assert_eq!(same_tensors(&input, &d.join("t1.safetensors")), {
+        let n = safetensors::SafeTensors::deserialize(&std::fs::read(&input).unwrap())
+            .unwrap()
+            .len();
+        n
+    });
+    std::fs::remove_dir_all(&d).unwrap();
+}

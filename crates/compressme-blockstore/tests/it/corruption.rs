@@ -94,6 +94,39 @@ fn flipped_payload_byte_names_the_block() {
 }
 
 #[test]
+fn a_shared_store_reads_in_place_and_checks_each_block_when_decoded() {
+    let (data, s) = sample();
+    let bytes = s.to_bytes();
+    // read in place: the same rows, and always checked on decode
+    let shared = BlockStore::from_shared(std::sync::Arc::new(bytes.clone())).unwrap();
+    assert!(shared.verify_on_decode());
+    assert_eq!(shared.decode_all().unwrap(), data);
+    assert_eq!(shared.index_digest(), s.index_digest());
+    // a flipped payload byte: loading checks only the index, the block fails when decoded
+    let (_, payload) = regions(&bytes, 4, s.num_blocks());
+    let mut bad = bytes.clone();
+    bad[payload + 2] ^= 1;
+    let mut lazy = BlockStore::from_shared(std::sync::Arc::new(bad.clone())).unwrap();
+    // turning per-decode checks off does not skip the blocks never checked
+    lazy.set_verify_on_decode(false);
+    let mut out = vec![0u8; 32];
+    let err = lazy.decode_rows(&[0], &mut out).unwrap_err();
+    assert!(
+        matches!(err, Error::ChecksumMismatch { block: 0, .. }),
+        "{err}"
+    );
+    lazy.decode_rows(&[40], &mut out).unwrap();
+    assert!(matches!(
+        lazy.verify_all(),
+        Err(Error::ChecksumMismatch { block: 0, .. })
+    ));
+    // and a flipped index byte is refused at load, as by `from_bytes`
+    let mut bad_index = bytes;
+    bad_index[40] ^= 1;
+    assert!(BlockStore::from_shared(std::sync::Arc::new(bad_index)).is_err());
+}
+
+#[test]
 fn verify_on_decode_catches_corruption_in_memory() {
     let (_, mut s) = sample();
     s.corrupt_payload_byte_for_tests(3);

@@ -311,7 +311,7 @@ fn minilm_reloads_from_an_artifact_alone() {
     let tmp = std::env::temp_dir().join(format!("cm-nn-artifact-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     let art = tmp.join("minilm.cma");
-    let mut ckpt = Checkpoint::open(&dir, &Limits::default()).unwrap();
+    let ckpt = Checkpoint::open(&dir, &Limits::default()).unwrap();
     let entries: Vec<_> = ckpt.entries().cloned().collect();
     let mut w = Writer::create(&art).unwrap();
     for e in &entries {
@@ -358,7 +358,7 @@ fn minilm_reloads_from_an_artifact_alone() {
     let tiny_art = tmp.join("tiny.cma");
     let tiny = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../fixtures/bert/tiny/model.safetensors");
-    let mut ckpt = Checkpoint::open(&tiny, &Limits::default()).unwrap();
+    let ckpt = Checkpoint::open(&tiny, &Limits::default()).unwrap();
     let entries: Vec<_> = ckpt.entries().cloned().collect();
     let mut w = Writer::create(&tiny_art).unwrap();
     for e in &entries {

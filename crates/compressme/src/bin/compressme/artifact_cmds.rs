@@ -2,13 +2,15 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use compressme::artifact::{
-    Artifact, Checkpoint, Dtype, Limits, StorageRecipe, Writer, recipe::sha256_hex, unpack,
+    Artifact, Checkpoint, Dtype, Input as WriteInput, Limits, Storage, StorageRecipe, Writer,
+    recipe::sha256_hex, unpack,
 };
-use compressme::blockstore::Coder;
+use compressme::blockstore::{Coder, SharedBytes};
 use compressme::quant::Format;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -109,18 +111,11 @@ impl Input {
                 .collect(),
         }
     }
-
-    /// The tensor's bytes (a model's are handed over, not copied).
-    fn read(&mut self, name: &str) -> Result<Vec<u8>> {
-        match self {
-            Self::Checkpoint(c) => Ok(c.read(name)?),
-            Self::Model(m) => m
-                .remove(name)
-                .map(|(_, _, b)| b)
-                .with_context(|| format!("tensor `{name}` read twice")),
-        }
-    }
 }
+
+/// One tensor for `pack`'s pipeline: name, dtype, shape, storage, and its bytes when
+/// they are already in memory.
+type Item = (String, Dtype, Vec<usize>, Storage, Option<Vec<u8>>);
 
 fn dense_len(dtype: Dtype, shape: &[usize]) -> u64 {
     shape.iter().product::<usize>() as u64 * dtype.size() as u64
@@ -301,9 +296,14 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     }
     let pb = bar(total);
     let mut report = Vec::with_capacity(names.len());
+    // every tensor's storage, decided up front; then tensors are prepared in parallel
+    // (at most the largest tensor, or 64 MiB, of them in flight) and written in order
+    let (ckpt, mut owned) = match &mut ckpt {
+        Input::Checkpoint(c) => (Some(&*c), BTreeMap::new()),
+        Input::Model(m) => (None, std::mem::take(m)),
+    };
+    let mut items = Vec::with_capacity(entries.len());
     for (name, dtype, shape) in &entries {
-        pb.set_message(name.clone());
-        let bytes = ckpt.read(name)?;
         // an empty tensor has nothing to quantize or code: it stays dense
         let empty = shape.contains(&0);
         let quantizable = dtype.is_float() && shape.len() >= 2 && !empty;
@@ -318,17 +318,13 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                 _ => Choice::Dense,
             },
         };
-        let added = match choice {
-            Choice::Dense => w.add_dense(name, *dtype, shape, &bytes)?,
-            Choice::Lossless => w.add_lossless_indexed(
-                name,
-                *dtype,
-                shape,
-                &bytes,
-                a.block_rows,
+        let storage = match choice {
+            Choice::Dense => Storage::Dense,
+            Choice::Lossless => Storage::Lossless {
+                block_rows: a.block_rows,
                 coder,
-                a.row_index,
-            )?,
+                row_index: a.row_index,
+            },
             Choice::Quant(f) => {
                 let module = name.strip_suffix(".weight").unwrap_or(name);
                 let importance: Vec<f32> = profile
@@ -336,24 +332,50 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                     .and_then(|p| p.modules.get(module))
                     .map(|m| m.channel_mean_sq().iter().map(|v| *v as f32).collect())
                     .unwrap_or_default();
-                match w.add_quantized_weighted(name, *dtype, shape, &bytes, f, &importance) {
-                    Err(compressme::artifact::Error::Quant {
-                        source: e @ compressme::quant::Error::Unrepresentable { .. },
-                        ..
-                    }) => {
-                        if !a.keep_unrepresentable {
-                            bail!(
-                                "tensor `{name}`: {e} (--keep-unrepresentable keeps such tensors dense)"
-                            );
-                        }
-                        // printed even when the bar is hidden (not a terminal)
-                        pb.suspend(|| eprintln!("{name}: kept dense ({e})"));
-                        w.add_dense(name, *dtype, shape, &bytes)?
-                    }
-                    r => r?,
+                Storage::Quantized {
+                    format: f,
+                    importance,
                 }
             }
         };
+        // a model's tensors are already in memory: handed over; a checkpoint's are
+        // memory-mapped when their turn comes
+        let held = owned.remove(name).map(|(_, _, b)| b);
+        items.push((name.clone(), *dtype, shape.clone(), storage, held));
+    }
+    let keep_unrepresentable = a.keep_unrepresentable;
+    let work = |(name, dtype, shape, storage, held): Item| -> compressme::artifact::Result<_> {
+        let bytes: SharedBytes = match (held, ckpt) {
+            (Some(v), _) => Arc::new(v),
+            (None, Some(c)) => Arc::new(c.map(&name)?),
+            (None, None) => return Err(compressme::artifact::Error::MissingTensor(name)),
+        };
+        let input = WriteInput::Shared(bytes.clone());
+        match Writer::prepare(&name, dtype, &shape, input, &storage) {
+            Err(compressme::artifact::Error::Quant {
+                source: e @ compressme::quant::Error::Unrepresentable { .. },
+                ..
+            }) if keep_unrepresentable => {
+                let dense = Writer::prepare(
+                    &name,
+                    dtype,
+                    &shape,
+                    WriteInput::Shared(bytes),
+                    &Storage::Dense,
+                )?;
+                Ok((dense, Some(format!("{name}: kept dense ({e})"))))
+            }
+            r => r.map(|p| (p, None)),
+        }
+    };
+    let sink = |(p, note): (compressme::artifact::Prepared<'static>, Option<String>)| {
+        let added = w.commit(p)?;
+        let name = &added.name;
+        pb.set_message(name.clone());
+        if let Some(note) = note {
+            // printed even when the bar is hidden (not a terminal)
+            pb.suspend(|| eprintln!("{note}"));
+        }
         tracing::debug!(tensor = %name, storage = %added.storage, dense = added.dense_bytes, stored = added.stored_bytes);
         if added.kept_dense && !a.json && added.dense_bytes >= 1 << 20 {
             // said for tensors that matter; small ones are counted at the end
@@ -364,8 +386,21 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                 );
             });
         }
+        pb.inc(added.dense_bytes);
         report.push(added);
-        pb.inc(dense_len(*dtype, shape));
+        Ok(())
+    };
+    let weight = |(_, dtype, shape, _, _): &Item| dense_len(*dtype, shape);
+    let budget = largest.max(64 << 20);
+    if let Err(e) = compressme::artifact::pipeline::ordered(items, weight, budget, work, sink) {
+        if let compressme::artifact::Error::Quant {
+            tensor,
+            source: q @ compressme::quant::Error::Unrepresentable { .. },
+        } = &e
+        {
+            bail!("tensor `{tensor}`: {q} (--keep-unrepresentable keeps such tensors dense)");
+        }
+        return Err(e.into());
     }
     pb.set_message("verifying");
     let summary = w.finish().context("writing the artifact")?;

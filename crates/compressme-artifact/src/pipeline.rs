@@ -1,0 +1,199 @@
+//! Tensors in parallel, results in order, memory bounded: the pipeline under `pack`,
+//! `verify` and `unpack`. Work items are admitted in order while the bytes they weigh
+//! fit a budget (one item is always admitted, however heavy), run on rayon's pool (each
+//! may itself run in parallel), and their results are handed to a sink in the items'
+//! order on the calling thread, so a writer's output does not depend on the thread
+//! count and writing overlaps the work of later items.
+#![deny(clippy::arithmetic_side_effects)]
+
+use std::collections::BTreeMap;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use crate::Result;
+
+/// Runs `work` on every item on rayon's pool, at most `budget` bytes of items (by
+/// `weight`) in flight, an item's weight held from admission until `sink` has taken its
+/// result; `sink` gets the results in the items' order, on the calling thread. The first
+/// error (from `work` or `sink`) stops admission and is returned once the items already
+/// running have finished; a panic in `work` is resumed on the calling thread.
+///
+/// The calling thread waits on results, so it should not be one of rayon's workers.
+///
+/// # Errors
+/// The first error `work` or `sink` returned.
+pub fn ordered<I, T>(
+    items: impl IntoIterator<Item = I>,
+    weight: impl Fn(&I) -> u64,
+    budget: u64,
+    work: impl Fn(I) -> Result<T> + Sync,
+    mut sink: impl FnMut(T) -> Result<()>,
+) -> Result<()>
+where
+    I: Send,
+    T: Send,
+{
+    type Done<T> = std::thread::Result<Result<T>>;
+    let stop = AtomicBool::new(false);
+    let work = &work;
+    let stop_ref = &stop;
+    rayon::in_place_scope(|scope| {
+        let (tx, rx) = mpsc::channel::<(usize, u64, Done<T>)>();
+        let mut items = items.into_iter().enumerate().peekable();
+        let mut pending: BTreeMap<usize, (u64, Done<T>)> = BTreeMap::new();
+        let (mut admitted, mut next, mut in_flight) = (0usize, 0usize, 0u64);
+        let mut first_err = None;
+        loop {
+            while first_err.is_none() {
+                let Some((_, item)) = items.peek() else { break };
+                let w = weight(item);
+                if in_flight > 0 && in_flight.saturating_add(w) > budget {
+                    break;
+                }
+                let Some((i, item)) = items.next() else { break };
+                in_flight = in_flight.saturating_add(w);
+                admitted = admitted.saturating_add(1);
+                let tx = tx.clone();
+                scope.spawn(move |_| {
+                    let r = if stop_ref.load(Ordering::Relaxed) {
+                        Ok(Err(crate::Error::Cancelled))
+                    } else {
+                        catch_unwind(AssertUnwindSafe(|| work(item)))
+                    };
+                    // the receiver outlives every job (the scope waits for them)
+                    let _ = tx.send((i, w, r));
+                });
+            }
+            if next == admitted {
+                break; // everything admitted has been sunk, and nothing more will be
+            }
+            let Ok((i, w, r)) = rx.recv() else { break };
+            pending.insert(i, (w, r));
+            while let Some((w, r)) = pending.remove(&next) {
+                next = next.saturating_add(1);
+                in_flight = in_flight.saturating_sub(w);
+                let r = match r {
+                    Ok(r) => r,
+                    Err(panic) => {
+                        stop.store(true, Ordering::Relaxed);
+                        resume_unwind(panic);
+                    }
+                };
+                if first_err.is_some() {
+                    continue; // draining what was already running
+                }
+                if let Err(e) = r.and_then(&mut sink) {
+                    stop.store(true, Ordering::Relaxed);
+                    first_err = Some(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::arithmetic_side_effects, clippy::unwrap_used)]
+    use super::ordered;
+    use crate::Error;
+
+    #[test]
+    fn results_come_in_order_under_the_budget() {
+        let in_flight = std::sync::atomic::AtomicU64::new(0);
+        let peak = std::sync::atomic::AtomicU64::new(0);
+        let mut got = Vec::new();
+        ordered(
+            0..200u64,
+            |&i| 1 + i % 7,
+            10,
+            |i| {
+                let now = in_flight.fetch_add(1 + i % 7, std::sync::atomic::Ordering::SeqCst);
+                peak.fetch_max(now + 1 + i % 7, std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_micros((i * 37) % 300));
+                in_flight.fetch_sub(1 + i % 7, std::sync::atomic::Ordering::SeqCst);
+                Ok(i * 2)
+            },
+            |r| {
+                got.push(r);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(got, (0..200).map(|i| i * 2).collect::<Vec<_>>());
+        assert!(peak.load(std::sync::atomic::Ordering::SeqCst) <= 10);
+    }
+
+    #[test]
+    fn an_item_heavier_than_the_budget_runs_alone() {
+        let mut got = Vec::new();
+        ordered(
+            [5u64, 100, 5],
+            |&w| w,
+            10,
+            Ok,
+            |r| {
+                got.push(r);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(got, [5, 100, 5]);
+    }
+
+    #[test]
+    fn the_first_error_is_returned_and_nothing_after_it_is_sunk() {
+        let mut got = Vec::new();
+        let r = ordered(
+            0..100u64,
+            |_| 1,
+            4,
+            |i| {
+                if i == 10 {
+                    Err(Error::MissingTensor(format!("t{i}")))
+                } else {
+                    Ok(i)
+                }
+            },
+            |r| {
+                got.push(r);
+                Ok(())
+            },
+        );
+        assert!(matches!(r, Err(Error::MissingTensor(ref n)) if n == "t10"));
+        assert_eq!(got, (0..10).collect::<Vec<_>>());
+        // a sink's error stops it too
+        let mut n = 0;
+        let r = ordered(
+            0..100u64,
+            |_| 1,
+            4,
+            Ok,
+            |i| {
+                n += 1;
+                if i == 3 {
+                    Err(Error::Cancelled)
+                } else {
+                    Ok(())
+                }
+            },
+        );
+        assert!(matches!(r, Err(Error::Cancelled)));
+        assert_eq!(n, 4);
+    }
+
+    #[test]
+    fn a_panic_in_work_reaches_the_caller() {
+        let r = std::panic::catch_unwind(|| {
+            ordered(
+                0..10u64,
+                |_| 1,
+                2,
+                |i| if i == 5 { panic!("boom") } else { Ok(i) },
+                |_| Ok(()),
+            )
+        });
+        assert!(r.is_err());
+    }
+}
