@@ -503,11 +503,9 @@ fn pack_and_unpack_do_not_depend_on_the_thread_count() {
         unpacked.iter().all(|u| *u == unpacked[0]),
         "unpack output varies"
     );
-    assert_eq!(same_tensors(&input, &d.join("t1.safetensors")), {
-        let n = safetensors::SafeTensors::deserialize(&std::fs::read(&input).unwrap())
-            .unwrap()
-            .len();
-        n
-    });
+    let n = safetensors::SafeTensors::deserialize(&std::fs::read(&input).unwrap())
+        .unwrap()
+        .len();
+    assert_eq!(same_tensors(&input, &d.join("t1.safetensors")), n);
     std::fs::remove_dir_all(&d).unwrap();
 }
