@@ -4,10 +4,11 @@
 //! `cargo xtask bigcheckpoint` runs
 //! `cargo run --release -p compressme-benches --example bigcheckpoint -- MINILM OUT_DIR [LAYERS]`.
 //!
-//! Values are real weights' values: each row is made of whole rows of one of
-//! all-MiniLM-L6-v2's weight matrices (cycling through them tensor by tensor), drawn at
-//! random with a fixed seed and rounded to bf16 (nearest even), so the exponent and
-//! mantissa statistics are a real layer's and the rows are shuffled. Written a few rows
+//! Values are real weights' values: each row takes a random row of one of
+//! all-MiniLM-L6-v2's weight matrices (cycling through them tensor by tensor) and draws
+//! its values from that row at random (with replacement, a fixed seed), rounded to bf16
+//! (nearest even): a real layer's exponent and mantissa statistics, rows shuffled, and
+//! no repeated runs for a general-purpose compressor to find. Written a few rows
 //! at a time: the process holds one source matrix and a row, never a tensor.
 
 use std::collections::BTreeMap;
@@ -113,12 +114,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let (src_cols, src) = &sources[which % sources.len()];
                 let src_rows = src.len() / (src_cols * 2);
                 for _ in 0..rows {
+                    // one source row per row, its values drawn at random (with
+                    // replacement): a real row's statistics, no repeated runs
+                    let r = (rng.next() % src_rows as u64) as usize;
+                    let src_row = &src[r * src_cols * 2..(r + 1) * src_cols * 2];
                     row.clear();
                     while row.len() < cols * 2 {
-                        let r = (rng.next() % src_rows as u64) as usize;
-                        let take = (src_cols * 2).min(cols * 2 - row.len());
-                        row.extend_from_slice(&src[r * src_cols * 2..r * src_cols * 2 + take]);
+                        let x = rng.next();
+                        for k in 0..4 {
+                            let c = ((x >> (16 * k)) & 0xffff) as usize % src_cols;
+                            row.extend_from_slice(&src_row[2 * c..2 * c + 2]);
+                        }
                     }
+                    row.truncate(cols * 2);
                     w.write_all(&row)?;
                 }
             }

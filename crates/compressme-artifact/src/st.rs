@@ -656,6 +656,25 @@ fn alive(pid: u32) -> Option<bool> {
 /// Removes `dest`'s stale temporaries: siblings named `.{name}.tmp-{pid}` (the name
 /// [`AtomicFile`] gives them) whose process is gone, such as those of a run killed with
 /// SIGKILL. Nothing else is touched, and nothing where liveness cannot be told.
+#[cfg(unix)]
+fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(f, buf, offset)
+}
+
+#[cfg(windows)]
+fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    let (mut done, mut at) = (0usize, offset);
+    while let Some(rest) = buf.get_mut(done..).filter(|r| !r.is_empty()) {
+        let n = std::os::windows::fs::FileExt::seek_read(f, rest, at)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        done = done.saturating_add(n);
+        at = at.saturating_add(n as u64);
+    }
+    Ok(())
+}
+
 fn remove_stale(dest: &Path, name: &str) {
     let dir = match dest.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -712,7 +731,14 @@ impl AtomicFile {
                 source: std::io::Error::new(std::io::ErrorKind::Interrupted, "interrupted"),
             });
         }
-        let file = File::create(&tmp).map_err(io(&tmp))?;
+        // readable too: `shift_tail` reads back what it moves
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(io(&tmp))?;
         l.push(tmp.clone());
         drop(l);
         Ok(Self {
@@ -764,6 +790,43 @@ impl AtomicFile {
             }
             Ok(())
         }
+    }
+
+    /// Moves to `offset` (later writes go there; a gap before it reads as zeros until
+    /// written).
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn seek_to(&mut self, offset: u64) -> Result<()> {
+        use std::io::Seek;
+        match &mut self.file {
+            Some(f) => f
+                .seek(std::io::SeekFrom::Start(offset))
+                .map(drop)
+                .map_err(io(&self.tmp)),
+            None => Ok(()),
+        }
+    }
+
+    /// Moves every byte from `from` to the end of the file `by` bytes further on (last
+    /// piece first, so nothing is overwritten before it is read), making room before it.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn shift_tail(&mut self, from: u64, by: u64) -> Result<()> {
+        let Some(f) = &self.file else { return Ok(()) };
+        let len = f.metadata().map_err(io(&self.tmp))?.len();
+        let mut buf = vec![0u8; 8 << 20];
+        let mut end = len;
+        while end > from {
+            let start = end.saturating_sub(buf.len() as u64).max(from);
+            let n = usize::try_from(end.saturating_sub(start)).unwrap_or(0);
+            let piece = buf.get_mut(..n).unwrap_or(&mut []);
+            read_exact_at(f, piece, start).map_err(io(&self.tmp))?;
+            self.write_all_at(start.saturating_add(by), piece)?;
+            end = start;
+        }
+        Ok(())
     }
 
     /// Appends the whole of another file (the kernel copies it where it can, without

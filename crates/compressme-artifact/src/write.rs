@@ -147,7 +147,11 @@ impl std::fmt::Debug for Prepared<'_> {
 #[derive(Debug)]
 pub struct Writer {
     dest: PathBuf,
+    /// Payloads as they come: a temporary data file, or (after
+    /// [`Writer::reserve_header`]) the destination itself, after the header's room.
     data: AtomicFile,
+    /// The header's room in the destination, when payloads go straight there.
+    room: Option<u64>,
     planned: Vec<Planned>,
     tensors: Vec<TensorRecipe>,
     names: HashSet<String>,
@@ -165,6 +169,7 @@ impl Writer {
         Ok(Self {
             dest: dest.to_path_buf(),
             data: AtomicFile::create(&data_path)?,
+            room: None,
             planned: Vec::new(),
             tensors: Vec::new(),
             names: HashSet::new(),
@@ -189,6 +194,124 @@ impl Writer {
     /// encoder already decoded each block and compared it with the input).
     pub fn set_paranoid(&mut self, on: bool) {
         self.paranoid = on;
+    }
+
+    /// Sends payloads straight to the destination, after `room` bytes kept for the
+    /// header (a multiple of 8, at least 16), instead of through a temporary data file
+    /// copied after the header at the end: each payload byte is written once. Call it
+    /// before the first tensor, with [`Writer::header_room`]'s bound for the tensors to
+    /// come. The header is padded with spaces to fill the room (the format allows it);
+    /// should it not fit after all, the payloads are moved up to make room, so the file
+    /// is right either way.
+    ///
+    /// # Errors
+    /// A room that is not a multiple of 8 or is below 16, a writer that already holds
+    /// tensors, [`Error::Io`].
+    pub fn reserve_header(&mut self, room: u64) -> Result<()> {
+        if !self.planned.is_empty() || self.room.is_some() {
+            return Err(Error::Invalid {
+                tensor: String::new(),
+                reason: "the header's room is reserved before the first tensor".into(),
+            });
+        }
+        if room < 16 || !room.is_multiple_of(8) {
+            return Err(Error::Invalid {
+                tensor: String::new(),
+                reason: format!("a header room of {room} bytes is not a multiple of 8 from 16"),
+            });
+        }
+        let mut out = AtomicFile::create(&self.dest)?;
+        out.seek_to(room)?;
+        // the empty data file goes
+        self.data = out;
+        self.room = Some(room);
+        Ok(())
+    }
+
+    /// A bound on the header (length prefix included) of an artifact holding these
+    /// tensors stored these ways, with the recipe fields set so far: every number at the
+    /// most it can be (payloads as large as the dense tensor), every digest at its fixed
+    /// width, and a byte a tensor and 64 more to spare, rounded up to a multiple of 8. For
+    /// [`Writer::reserve_header`].
+    ///
+    /// # Errors
+    /// Sizes that overflow, a recipe that does not serialize.
+    pub fn header_room(&self, tensors: &[(&str, Dtype, &[usize], &Storage)]) -> Result<u64> {
+        let digest = || "0".repeat(64);
+        let mut planned = Vec::new();
+        let mut recipe = self.recipe.clone();
+        for &(name, dtype, shape, storage) in tensors {
+            let dense = shape
+                .iter()
+                .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d as u64))
+                .ok_or_else(|| Error::Invalid {
+                    tensor: name.into(),
+                    reason: format!("shape {shape:?} overflows"),
+                })?;
+            let part = |n: String, dt: Dtype| Planned {
+                name: n,
+                dtype: dt,
+                shape: vec![usize::try_from(dense).unwrap_or(usize::MAX)],
+                len: dense,
+            };
+            let (sha256, storage) = match storage {
+                Storage::Dense => {
+                    planned.push(Planned {
+                        name: name.into(),
+                        dtype,
+                        shape: shape.to_vec(),
+                        len: dense,
+                    });
+                    (Some(digest()), StorageRecipe::Dense)
+                }
+                Storage::Lossless {
+                    block_rows,
+                    coder,
+                    row_index,
+                } => {
+                    let (rows, row_bytes) = row_view(dtype, shape);
+                    planned.push(part(blocks_name(name), Dtype::U8));
+                    let storage = StorageRecipe::Lossless {
+                        block_rows: *block_rows,
+                        rows,
+                        row_bytes,
+                        coder: match coder {
+                            Coder::Zstd { level } => format!("zstd-{level}"),
+                            _ => "huffman".into(),
+                        },
+                        row_index: *row_index,
+                        element_size: dtype.size(),
+                        block_sha256: Vec::new(),
+                        index_sha256: Some(digest()),
+                    };
+                    (Some(digest()), storage)
+                }
+                Storage::Quantized { format, .. } => {
+                    planned.push(part(codes_name(name), Dtype::U8));
+                    planned.push(part(scales_name(name), Dtype::F32));
+                    planned.push(part(mins_name(name), Dtype::F32));
+                    let storage = StorageRecipe::Quant {
+                        format: format.to_string(),
+                        rows: shape.first().copied().unwrap_or(0),
+                        cols: shape.iter().skip(1).product::<usize>(),
+                        payload_sha256: digest(),
+                    };
+                    (None, storage)
+                }
+            };
+            recipe.tensors.push(TensorRecipe {
+                name: name.into(),
+                dtype: dtype.name().into(),
+                shape: shape.to_vec(),
+                sha256,
+                storage,
+            });
+        }
+        let metadata = metadata(&recipe, &self.dest)?;
+        let header = header_bytes(&planned, &metadata)?.len() as u64;
+        // every field above is at its widest already: the spare is for safety only
+        let spare = (tensors.len() as u64).saturating_add(64);
+        Ok(header.saturating_add(spare).next_multiple_of(8))
     }
 
     /// The recipe's optional fields (policy, hashes, source metadata) to be written.
@@ -603,26 +726,34 @@ impl Writer {
     /// # Errors
     /// [`Error::Io`], and any verification failure (the file is then removed).
     pub fn finish(self) -> Result<Summary> {
-        // the data file is read back and removed below: no need to sync it
         let mut recipe = self.recipe.clone();
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
         order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
         recipe.tensors = order.iter().map(|&i| self.tensors[i].clone()).collect();
-        let mut metadata = BTreeMap::new();
-        metadata.insert(FORMAT_KEY.to_string(), FORMAT_NAME.to_string());
-        metadata.insert(VERSION_KEY.to_string(), VERSION.to_string());
-        let json = serde_json::to_string(&recipe).map_err(|e| Error::Recipe {
-            path: self.dest.clone(),
-            reason: e.to_string(),
-        })?;
-        metadata.insert(RECIPE_SHA_KEY.to_string(), sha256_hex(json.as_bytes()));
-        metadata.insert(RECIPE_KEY.to_string(), json);
-        let header = header_bytes(&self.planned, &metadata)?;
-        let mut out = AtomicFile::create(&self.dest)?;
-        out.write_all(&header)?;
-        let data_path = self.data.tmp_path().to_path_buf();
-        out.append_file(&data_path)?;
-        drop(self.data); // removes the data file
+        let header = header_bytes(&self.planned, &metadata(&recipe, &self.dest)?)?;
+        let out = match self.room {
+            Some(room) => {
+                // the payloads are in place after the room: the header fills it, padded
+                // with spaces; or, past it, the payloads move up first
+                let mut out = self.data;
+                let len = header.len() as u64;
+                if len <= room {
+                    out.write_all_at(0, &pad_header(header, room))?;
+                } else {
+                    out.shift_tail(room, len.saturating_sub(room))?;
+                    out.write_all_at(0, &header)?;
+                }
+                out
+            }
+            None => {
+                // the data file is read back and removed here: no need to sync it
+                let mut out = AtomicFile::create(&self.dest)?;
+                out.write_all(&header)?;
+                out.append_file(self.data.tmp_path())?;
+                drop(self.data); // removes the data file
+                out
+            }
+        };
         // checked from the page cache, then synced and renamed by `commit`
         // the writer's own check is not bounded by the decoded-size limits (it encoded
         // these bytes itself); a reader's default limits may refuse a degenerate tensor,
@@ -642,6 +773,28 @@ impl Writer {
         out.commit()?;
         Ok(summary)
     }
+}
+
+/// The artifact's `__metadata__`: format, version, the recipe and its digest.
+fn metadata(recipe: &Recipe, dest: &Path) -> Result<BTreeMap<String, String>> {
+    let mut metadata = BTreeMap::new();
+    metadata.insert(FORMAT_KEY.to_string(), FORMAT_NAME.to_string());
+    metadata.insert(VERSION_KEY.to_string(), VERSION.to_string());
+    let json = serde_json::to_string(recipe).map_err(|e| Error::Recipe {
+        path: dest.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    metadata.insert(RECIPE_SHA_KEY.to_string(), sha256_hex(json.as_bytes()));
+    metadata.insert(RECIPE_KEY.to_string(), json);
+    Ok(metadata)
+}
+
+/// `header` (length prefix, JSON, spaces) grown with spaces to `room` bytes in all.
+fn pad_header(header: Vec<u8>, room: u64) -> Vec<u8> {
+    let mut out = room.saturating_sub(8).to_le_bytes().to_vec();
+    out.extend_from_slice(header.get(8..).unwrap_or(&[]));
+    out.resize(usize::try_from(room).unwrap_or(out.len()), b' ');
+    out
 }
 
 fn scale_bytes(v: &[f32], as_f16: bool) -> (Dtype, Vec<u8>) {

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use compressme_artifact::{Artifact, Dtype, Error, Limits, Writer, unpack};
+use compressme_artifact::{Artifact, Dtype, Error, Limits, Storage, Writer, unpack};
 use compressme_blockstore::Coder;
 use compressme_quant::{Format, GroupSize};
 
@@ -806,4 +806,82 @@ fn mapped_reads_equal_copied_reads() {
         }
     }
     assert_eq!(lossless, 2);
+}
+
+/// A writer that reserves the header's room writes each payload once, straight into the
+/// artifact: with the room `header_room` gives, the header is padded into it; with too
+/// little room, the payloads move up. Either way the file opens, verifies and holds the
+/// same payload bytes as the plain writer's.
+#[test]
+fn a_reserved_header_room_gives_the_same_artifact_padded() {
+    let d = tmp("room");
+    let plain = d.join("plain.cma");
+    let tensors = write_sample(&plain);
+    let plain_art = Artifact::open(&plain, &Limits::default()).unwrap();
+    let storage = |name: &str| {
+        let t = plain_art.tensor(name).unwrap();
+        match &t.storage {
+            compressme_artifact::StorageRecipe::Dense => Storage::Dense,
+            compressme_artifact::StorageRecipe::Lossless {
+                block_rows,
+                row_index,
+                ..
+            } => Storage::Lossless {
+                block_rows: *block_rows,
+                coder: compressme_blockstore::Coder::default(),
+                row_index: *row_index,
+            },
+            compressme_artifact::StorageRecipe::Quant { format, .. } => Storage::Quantized {
+                format: compressme_quant::Format::parse(format).unwrap(),
+                importance: Vec::new(),
+            },
+        }
+    };
+    let plain_bytes = std::fs::read(&plain).unwrap();
+    let data_of = |b: &[u8]| {
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        b[8 + n..].to_vec()
+    };
+    for room in [None, Some(16u64)] {
+        let path = d.join(format!("room-{room:?}.cma"));
+        let mut w = Writer::create(&path).unwrap();
+        w.recipe_mut()
+            .source_metadata
+            .insert("format".into(), "pt".into());
+        let storages: Vec<Storage> = tensors.iter().map(|(n, ..)| storage(n)).collect();
+        let plan: Vec<(&str, Dtype, &[usize], &Storage)> = tensors
+            .iter()
+            .zip(&storages)
+            .map(|((n, dt, s, _), st)| (n.as_str(), *dt, s.as_slice(), st))
+            .collect();
+        let bound = w.header_room(&plan).unwrap();
+        w.reserve_header(room.unwrap_or(bound)).unwrap();
+        // only before the first tensor
+        assert!(w.reserve_header(bound).is_err());
+        for ((name, dtype, shape, bytes), st) in tensors.iter().zip(&storages) {
+            let input = compressme_artifact::Input::Borrowed(bytes);
+            let p = Writer::prepare(name, *dtype, shape, input, st).unwrap();
+            w.commit(p).unwrap();
+        }
+        w.finish().unwrap();
+        let a = Artifact::open(&path, &Limits::default()).unwrap();
+        a.verify().unwrap();
+        assert_eq!(a.entries(), plain_art.entries());
+        let got = std::fs::read(&path).unwrap();
+        assert!(data_of(&got) == data_of(&plain_bytes), "{room:?}");
+        let header_len = u64::from_le_bytes(got[..8].try_into().unwrap());
+        match room {
+            // the bound held: the header fills the room, the excess spaces
+            None => {
+                assert_eq!(header_len + 8, bound);
+                let plain_header = plain_bytes.len() - data_of(&plain_bytes).len();
+                assert!(
+                    (bound as usize) < plain_header + 2048,
+                    "{bound} {plain_header}"
+                );
+            }
+            // too little room: moved up, the header as the plain writer's
+            Some(_) => assert!(got == plain_bytes),
+        }
+    }
 }

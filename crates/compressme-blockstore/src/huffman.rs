@@ -245,42 +245,69 @@ impl CodeLengths {
 
 /// An encoder for one table.
 pub(crate) struct Encoder {
-    codes: [u16; 256],
-    lens: [u8; 256],
+    /// `code | length << 16` per symbol: one lookup a symbol.
+    table: [u32; 256],
 }
 
 impl Encoder {
     pub(crate) fn new(lengths: &CodeLengths) -> Self {
         // Canonical code assignment for lengths that start at 1: `count[0]` is zero.
-        Self {
-            codes: lengths.reversed_codes(),
-            lens: lengths.0,
+        let codes = lengths.reversed_codes();
+        let mut table = [0u32; 256];
+        for ((t, &c), &l) in table.iter_mut().zip(codes.iter()).zip(lengths.0.iter()) {
+            *t = u32::from(c) | u32::from(l) << 16;
         }
+        Self { table }
     }
 
-    /// Appends the coded bytes of `symbols` to `out`.
-    #[allow(clippy::arithmetic_side_effects)] // n < 32 + MAX_LEN bits between flushes
+    /// Appends the coded bytes of `symbols` to `out`: two symbols (at most 24 bits)
+    /// between checks for a whole 32-bit word, written into room made up front (at most
+    /// `MAX_LEN` bits a symbol), so the loop neither grows the vector nor checks its
+    /// capacity.
+    #[allow(clippy::arithmetic_side_effects)] // n < 32 + 2 * MAX_LEN bits between flushes
     pub(crate) fn encode(&self, symbols: &[u8], out: &mut Vec<u8>) {
+        let start = out.len();
+        let room = (symbols.len() * usize::from(MAX_LEN)).div_ceil(8) + 8;
+        out.resize(start + room, 0);
+        let Some(buf) = out.get_mut(start..) else {
+            return;
+        };
+        let mut at = 0usize;
         let mut acc: u64 = 0;
         let mut n: u32 = 0;
-        for &s in symbols {
-            let (c, l) = (
-                self.codes.get(usize::from(s)).copied().unwrap_or(0),
-                self.lens.get(usize::from(s)).copied().unwrap_or(0),
-            );
-            acc |= u64::from(c) << n;
-            n += u32::from(l);
+        // a u8 indexes 256 entries: the check folds away
+        let code = |s: u8| self.table.get(usize::from(s)).copied().unwrap_or(0);
+        let mut pairs = symbols.chunks_exact(2);
+        for p in &mut pairs {
+            let [x, y] = [p.first(), p.get(1)].map(|v| v.copied().unwrap_or(0));
+            let (a, b) = (code(x), code(y));
+            acc |= u64::from(a & 0xffff) << n;
+            n += a >> 16;
+            acc |= u64::from(b & 0xffff) << n;
+            n += b >> 16;
             if n >= 32 {
-                out.extend_from_slice(&(acc as u32).to_le_bytes());
+                if let Some(w) = buf.get_mut(at..at + 4) {
+                    w.copy_from_slice(&(acc as u32).to_le_bytes());
+                }
+                at += 4;
                 acc >>= 32;
                 n -= 32;
             }
         }
+        for &s in pairs.remainder() {
+            let a = code(s);
+            acc |= u64::from(a & 0xffff) << n;
+            n += a >> 16;
+        }
         while n > 0 {
-            out.push(acc as u8);
+            if let Some(w) = buf.get_mut(at) {
+                *w = acc as u8;
+            }
+            at += 1;
             acc >>= 8;
             n = n.saturating_sub(8);
         }
+        out.truncate(start + at);
     }
 }
 

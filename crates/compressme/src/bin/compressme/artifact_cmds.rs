@@ -343,6 +343,36 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         let held = owned.remove(name).map(|(_, _, b)| b);
         items.push((name.clone(), *dtype, shape.clone(), storage, held));
     }
+    // payloads go straight into the artifact, after room kept for its header; a small
+    // tensor asked to be lossless is tried first, so that the room is not sized for
+    // block entries where blocks will not pay (large ones are sized as lossless: the
+    // room is a bound whichever way they go)
+    let mut predicted = Vec::with_capacity(items.len());
+    for (name, dtype, shape, storage, held) in &items {
+        let small = dense_len(*dtype, shape) < 64 << 10;
+        let kept_dense = |b: &[u8]| -> Result<bool> {
+            let p = Writer::prepare(name, *dtype, shape, WriteInput::Borrowed(b), storage)?;
+            Ok(p.added().kept_dense)
+        };
+        let dense = match (storage, held, ckpt) {
+            (Storage::Lossless { .. }, Some(b), _) if small => kept_dense(b)?,
+            (Storage::Lossless { .. }, None, Some(c)) if small => kept_dense(&c.map(name)?)?,
+            _ => false,
+        };
+        predicted.push(if dense {
+            Storage::Dense
+        } else {
+            storage.clone()
+        });
+    }
+    let plan: Vec<(&str, Dtype, &[usize], &Storage)> = items
+        .iter()
+        .zip(&predicted)
+        .map(|((n, d, s, _, _), st)| (n.as_str(), *d, s.as_slice(), st))
+        .collect();
+    let room = w.header_room(&plan)?;
+    w.reserve_header(room)?;
+    drop(plan);
     let keep_unrepresentable = a.keep_unrepresentable;
     let work = |(name, dtype, shape, storage, held): Item| -> compressme::artifact::Result<_> {
         let bytes: SharedBytes = match (held, ckpt) {
