@@ -132,6 +132,8 @@ pub fn unpack(
     }
     let art: &Artifact = artifact;
     let out_ref = &out;
+    // one writer at a time: concurrent writes to one file spin on its lock in the kernel
+    let writing = std::sync::Mutex::new(());
     let weight = |(t, _, _): &(&TensorRecipe, u64, u64)| art.stored_bytes(t);
     let work = |(t, len, offset): (&TensorRecipe, u64, u64)| -> Result<Streamed> {
         // lossless bytes hashed as they are written (dense ones were checked on reading);
@@ -139,7 +141,9 @@ pub fn unpack(
         let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
         let mut h = sha2::Sha256::new();
         let mut got = 0u64;
-        let streamed = art.stream_tensor(&t.name, |piece| {
+        // every lossless block is decoded and the result checked against the tensor's
+        // digest below: block digests are `verify`'s (it names the block)
+        let streamed = art.stream_tensor(&t.name, false, |piece| {
             let at = offset.saturating_add(got);
             got = got.saturating_add(piece.len() as u64);
             if got > len {
@@ -151,6 +155,9 @@ pub fn unpack(
             if lossless {
                 h.update(piece);
             }
+            let _turn = writing
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             out_ref.write_all_at(at, piece)
         })?;
         if got != len {

@@ -353,9 +353,14 @@ impl Artifact {
     ///
     /// # Errors
     /// As [`Artifact::read_stored`], and `sink`'s.
+    ///
+    /// `blocks`: whether each lossless block is checked against its digest before it is
+    /// decoded (`verify`), or only what the caller checks (`unpack`: the whole-tensor
+    /// digest of everything decoded, see [`BlockStore::skip_block_digests`]).
     pub(crate) fn stream_tensor(
         &self,
         name: &str,
+        blocks: bool,
         mut sink: impl FnMut(&[u8]) -> Result<()> + Send,
     ) -> Result<Streamed> {
         let t = self
@@ -371,7 +376,11 @@ impl Artifact {
                 sink(&b)?;
                 Ok(Streamed::Verified)
             }
-            Stored::Lossless(store) => {
+            Stored::Lossless(mut store) => {
+                if !blocks {
+                    store.skip_block_digests();
+                }
+                let store = store;
                 let (rb, br) = (store.row_bytes(), store.block_rows());
                 let block_bytes = rb.saturating_mul(br);
                 if block_bytes == 0 {
@@ -521,7 +530,7 @@ impl Artifact {
         let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
         let mut h = sha2::Sha256::new();
         let mut got = 0u64;
-        let streamed = self.stream_tensor(&t.name, |b| {
+        let streamed = self.stream_tensor(&t.name, true, |b| {
             if lossless {
                 h.update(b);
             }

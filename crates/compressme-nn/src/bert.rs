@@ -205,21 +205,14 @@ impl Bert {
     /// # Errors
     /// As [`Bert::from_dir`], and the artifact's read and verification errors.
     pub fn from_artifact(dir: &Path, artifact: &Path, device: &Device) -> Result<Self> {
-        use compressme_artifact::{Artifact, Dtype, Limits};
+        use compressme_artifact::{Artifact, Limits};
         let dir = local_dir(dir)?;
         let cfg = read_config(&dir.join("config.json"))?;
         let mut a = Artifact::open(artifact, &Limits::default())?;
-        let mut tensors = HashMap::new();
-        for t in a.recipe().tensors.clone() {
-            let Some(dtype) = Dtype::parse(&t.dtype).and_then(crate::load::candle_dtype) else {
-                continue;
-            };
-            let (bytes, _) = a.read_tensor(&t.name)?;
-            tensors.insert(
-                t.name.clone(),
-                Tensor::from_raw_buffer(&bytes, dtype, &t.shape, &Device::Cpu)?,
-            );
-        }
+        // module weights stand as zero-stride placeholders until `apply_artifact` gives
+        // them the artifact's storage: no weight is ever held dense on the way
+        let (named, _) = crate::load::artifact_tensors_with(&mut a, true)?;
+        let tensors: HashMap<String, Tensor> = named.into_iter().collect();
         let prefix = if tensors.contains_key("bert.embeddings.word_embeddings.weight") {
             "bert."
         } else {

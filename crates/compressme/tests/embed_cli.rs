@@ -119,3 +119,51 @@ fn embed_refuses_remote_ids_and_missing_folders() {
     assert!(!ok);
     assert!(err.contains("/no/such/folder"), "{err}");
 }
+
+/// `embed --artifact`: the weights from an artifact, each module in its storage. A
+/// lossless artifact gives the dense checkpoint's embeddings exactly; an NF4-g64 one
+/// gives close ones.
+#[test]
+fn embed_from_an_artifact() {
+    let Some(dir) = minilm() else { return };
+    let work = std::env::temp_dir().join(format!("cm-embed-artifact-{}", std::process::id()));
+    std::fs::create_dir_all(&work).unwrap();
+    let input = "a first sentence\nand a second, longer one\n";
+    let (ok, dense, err) = run(&["embed", dir.to_str().unwrap()], input);
+    assert!(ok, "{err}");
+    for (name, how) in [("lossless", "--lossless"), ("nf4", "--format")] {
+        let art = work.join(format!("{name}.cma"));
+        let mut args = vec!["pack", dir.to_str().unwrap(), how];
+        if name == "nf4" {
+            args.push("nf4-g64");
+        }
+        args.extend(["-o", art.to_str().unwrap()]);
+        let (ok, _, err) = run(&args, "");
+        assert!(ok, "{err}");
+        let (ok, got, err) = run(
+            &[
+                "embed",
+                dir.to_str().unwrap(),
+                "--artifact",
+                art.to_str().unwrap(),
+            ],
+            input,
+        );
+        assert!(ok, "{err}");
+        assert_eq!(got.lines().count(), 2);
+        if name == "lossless" {
+            assert_eq!(
+                got, dense,
+                "a lossless artifact embeds exactly as the checkpoint"
+            );
+        } else {
+            for (a, b) in got.lines().zip(dense.lines()) {
+                let a: Vec<f64> = serde_json::from_str(a).unwrap();
+                let b: Vec<f64> = serde_json::from_str(b).unwrap();
+                let cos = a.iter().zip(&b).map(|(x, y)| x * y).sum::<f64>();
+                assert!(cos > 0.8 && cos < 1.0 + 1e-6, "{cos}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&work).unwrap();
+}

@@ -137,6 +137,13 @@ enum Command {
     Verify {
         /// The artifact.
         artifact: PathBuf,
+        /// Check every stored byte against its digest (block digests, each block
+        /// store's index digest, dense tensors' and packed buffers' digests) without
+        /// decoding: what `pack` checks before it renames its output, and about twice as
+        /// fast. Without it, every block is also decoded and every tensor's decoded bytes
+        /// hashed against the recipe's whole-tensor SHA-256.
+        #[arg(long)]
+        stored: bool,
         #[command(flatten)]
         limits: artifact_cmds::LimitArgs,
     },
@@ -156,6 +163,11 @@ enum Command {
         /// Print metadata (model, lines, tokens, time) as one JSON object on stderr.
         #[arg(long)]
         json: bool,
+        /// Take every weight from this artifact (of the folder's checkpoint) instead of
+        /// model.safetensors, each module in the artifact's storage: packed linears stay
+        /// packed, lossless tables stay in their blocks, read in place from the file.
+        #[arg(long)]
+        artifact: Option<PathBuf>,
     },
     /// Pack a frozen embedding table losslessly, check every row, and time a batch lookup
     /// against plain `index_select` (default: all-MiniLM-L6-v2's word embeddings).
@@ -332,13 +344,24 @@ fn run() -> Result<()> {
             json,
             limits,
         } => artifact_cmds::inspect(&artifact, json, &limits.limits()),
-        Command::Verify { artifact, limits } => artifact_cmds::verify(&artifact, &limits.limits()),
+        Command::Verify {
+            artifact,
+            stored,
+            limits,
+        } => artifact_cmds::verify(&artifact, stored, &limits.limits()),
         Command::Embed {
             model_dir,
             text,
             batch,
             json,
-        } => embed(&model_dir, text.as_deref(), batch, json),
+            artifact,
+        } => embed(
+            &model_dir,
+            artifact.as_deref(),
+            text.as_deref(),
+            batch,
+            json,
+        ),
         Command::LosslessDemo {
             model,
             tensor,
@@ -375,11 +398,24 @@ fn run() -> Result<()> {
     }
 }
 
-fn embed(model_dir: &Path, text: Option<&Path>, batch: usize, json: bool) -> Result<()> {
+fn embed(
+    model_dir: &Path,
+    artifact: Option<&Path>,
+    text: Option<&Path>,
+    batch: usize,
+    json: bool,
+) -> Result<()> {
     use std::io::{BufWriter, Read, Write};
     let t0 = Instant::now();
-    let embedder = compressme::nn::SentenceEmbedder::from_dir(model_dir, &Device::Cpu)
-        .with_context(|| format!("loading {}", model_dir.display()))?;
+    let embedder = match artifact {
+        None => compressme::nn::SentenceEmbedder::from_dir(model_dir, &Device::Cpu)
+            .with_context(|| format!("loading {}", model_dir.display()))?,
+        Some(a) => {
+            let bert = compressme::nn::Bert::from_artifact(model_dir, a, &Device::Cpu)
+                .with_context(|| format!("loading {}", a.display()))?;
+            compressme::nn::SentenceEmbedder::with_bert(model_dir, bert)?
+        }
+    };
     let mut input = String::new();
     match text {
         Some(p) => {
@@ -415,6 +451,7 @@ fn embed(model_dir: &Path, text: Option<&Path>, batch: usize, json: bool) -> Res
     if json {
         let meta = serde_json::json!({
             "model_dir": model_dir.display().to_string(),
+            "artifact": artifact.map(|a| a.display().to_string()),
             "lines": lines.len(),
             "tokens": tokens,
             "max_seq_length": embedder.max_len(),
