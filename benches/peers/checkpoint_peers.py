@@ -1,23 +1,30 @@
-"""Whole checkpoints: our CLI against zstandard and zipnn on the same safetensors files.
+"""Whole checkpoints: our CLI against zstd, zstandard and zipnn on the same safetensors files.
 
 Run by `cargo xtask bench-checkpoint` (which builds `compressme` in release, makes the
-peers' venv and the bf16 copy of MiniLM):
-    python checkpoint_peers.py COMPRESSME OUT.json FILE.safetensors [FILE ...]
+peers' venv, the bf16 copy of MiniLM and, with --big, the 4 GiB sharded checkpoint):
+    python checkpoint_peers.py COMPRESSME OUT.json CHECKPOINT [CHECKPOINT ...]
 
-For each file, in interleaved rounds (default 3), on both cores:
-  - ours: the wall time of the `compressme pack --lossless`, `verify` and `unpack`
-    processes (reading from the page cache), the artifact's size over the dense bytes,
-    and whether every unpacked tensor is byte-identical to the original;
-  - zstandard: level 3 with 2 threads over the whole file, and decompression, timed in
-    this process from reading the input file to writing the output file;
-  - zipnn 0.5.4: its byte interface over the whole file (dtype from the file's largest
-    tensor), compress and decompress, timed the same way, with the round trip checked.
+A CHECKPOINT is a .safetensors file or a folder of shards with its index JSON. For each,
+in interleaved rounds (default 3; ROUNDS in the environment), on both cores, every process
+reading from the page cache:
+  - ours: the wall time of the `compressme pack --lossless`, `verify`, `verify --stored`
+    and `unpack` processes and the peak resident memory of pack and unpack (from
+    /usr/bin/time), the artifact's size over the dense bytes, and whether every unpacked
+    tensor is byte-identical to the original (compared by SHA-256, a tensor at a time);
+  - the zstd command line: `zstd -3 -T2` and `zstd -d` on each file (shard by shard);
+  - zstandard (Python): level 3 with 2 threads over each whole file, and decompression,
+    timed in this process from reading the input file to writing the output file;
+  - zipnn 0.5.4 (single files only): its byte interface over the whole file (dtype from
+    the file's largest tensor), compress and decompress, timed the same way, with the
+    round trip checked.
 Speeds are dense bytes (the tensors' bytes) over the median wall time.
 """
 
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -28,27 +35,41 @@ import numpy as np
 import zstandard
 
 
+def shards(path):
+    """The safetensors files of a checkpoint (a file, or a folder with an index)."""
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, f) for f in files]
+    return [path]
+
+
 def header(path):
-    """The safetensors header's tensor entries, by name."""
+    """The safetensors header's tensor entries, by name, and where the data starts."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         h = json.loads(f.read(n))
     h.pop("__metadata__", None)
-    return h
+    return h, 8 + n
 
 
 def dense_bytes(path):
-    return sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header(path).values())
+    return sum(v["data_offsets"][1] - v["data_offsets"][0]
+               for s in shards(path) for v in header(s)[0].values())
 
 
-def tensors(path):
-    """Every tensor's (dtype, shape, bytes), by name."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = int.from_bytes(raw[:8], "little")
-    data = raw[8 + n:]
-    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in header(path).items()}
+def tensor_digests(path):
+    """Every tensor's (dtype, shape, SHA-256), by name, reading one tensor at a time."""
+    out = {}
+    for s in shards(path):
+        h, start = header(s)
+        with open(s, "rb") as f:
+            for k, v in h.items():
+                a, b = v["data_offsets"]
+                f.seek(start + a)
+                out[k] = (v["dtype"], v["shape"], hashlib.sha256(f.read(b - a)).hexdigest())
+    return out
 
 
 def timed(fn):
@@ -58,103 +79,166 @@ def timed(fn):
 
 
 def run(cmd):
-    t, p = timed(lambda: subprocess.run(cmd, capture_output=True))
+    """Wall time and peak resident memory (bytes) of a process."""
+    timer = os.path.exists("/usr/bin/time")
+    full = (["/usr/bin/time", "-f", "maxrss_kb=%M"] + cmd) if timer else cmd
+    t, p = timed(lambda: subprocess.run(full, capture_output=True))
     if p.returncode != 0:
         sys.exit(f"{cmd} failed: {p.stderr.decode()[-2000:]}")
-    return t
+    m = re.search(rb"maxrss_kb=(\d+)", p.stderr)
+    return t, (int(m.group(1)) * 1024 if m else None)
 
 
 def main():
-    binary, out, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+    binary, out, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
     rounds = int(os.environ.get("ROUNDS", "3"))
-    work = tempfile.mkdtemp(prefix="cm-checkpoint-peers-")
+    work = tempfile.mkdtemp(prefix="cm-checkpoint-peers-", dir=os.environ.get("WORK_DIR"))
     results = []
-    for path in files:
+    for path in paths:
+        files = shards(path)
         dense = dense_bytes(path)
-        size = os.path.getsize(path)
-        largest = max(header(path).values(), key=lambda v: v["data_offsets"][1] - v["data_offsets"][0])
+        size = sum(os.path.getsize(f) for f in files)
+        largest = max((v for f in files for v in header(f)[0].values()),
+                      key=lambda v: v["data_offsets"][1] - v["data_offsets"][0])
+        largest_bytes = largest["data_offsets"][1] - largest["data_offsets"][0]
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(largest["dtype"], "float32")
+        single = len(files) == 1 and not os.path.isdir(path)
         art = os.path.join(work, "a.cma")
         back = os.path.join(work, "back.safetensors")
-        zst = os.path.join(work, "z.zst")
-        zback = os.path.join(work, "z.back")
+        keys = ["pack", "verify", "verify_stored", "unpack", "zstd_cli_c", "zstd_cli_d", "zstd_c", "zstd_d"]
+        if single:
+            keys += ["zipnn_c", "zipnn_d"]
+        times = {k: [] for k in keys}
+        rss = {"pack": [], "unpack": []}
+        zst_sizes = {}
         znn = os.path.join(work, "z.znn")
         nback = os.path.join(work, "z.znn.back")
-        times = {k: [] for k in ["pack", "verify", "unpack", "zstd_c", "zstd_d", "zipnn_c", "zipnn_d"]}
-        from zipnn import ZipNN
-        z = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=2)
+        if single:
+            from zipnn import ZipNN
+            z = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=2)
         for _ in range(rounds):
-            times["pack"].append(run([binary, "pack", path, "--lossless", "-o", art]))
-            times["verify"].append(run([binary, "verify", art]))
-            times["unpack"].append(run([binary, "unpack", art, "-o", back]))
+            for key, cmd in [("pack", [binary, "pack", path, "--lossless", "-o", art]),
+                             ("verify", [binary, "verify", art]),
+                             ("verify_stored", [binary, "verify", "--stored", art]),
+                             ("unpack", [binary, "unpack", art, "-o", back])]:
+                t, m = run(cmd)
+                times[key].append(t)
+                if key in rss:
+                    rss[key].append(m)
+            os.remove(back)  # room on the disk for the peers' outputs
+
+            def zstd_cli(decompress):
+                total = 0.0
+                for i, f in enumerate(files):
+                    zf = os.path.join(work, f"cli{i}.zst")
+                    cmd = (["zstd", "-q", "-f", "-d", zf, "-o", zf + ".back"] if decompress
+                           else ["zstd", "-q", "-f", "-3", "-T2", f, "-o", zf])
+                    total += run(cmd)[0]
+                    if decompress:
+                        os.remove(zf + ".back")
+                return total
+
+            times["zstd_cli_c"].append(zstd_cli(False))
+            times["zstd_cli_d"].append(zstd_cli(True))
 
             def zc():
-                with open(path, "rb") as f:
-                    data = f.read()
-                comp = zstandard.ZstdCompressor(level=3, threads=2).compress(data)
-                with open(zst, "wb") as f:
-                    f.write(comp)
+                for i, f in enumerate(files):
+                    with open(f, "rb") as fh:
+                        data = fh.read()
+                    comp = zstandard.ZstdCompressor(level=3, threads=2).compress(data)
+                    del data
+                    with open(os.path.join(work, f"z{i}.zst"), "wb") as fh:
+                        fh.write(comp)
 
             def zd():
-                with open(zst, "rb") as f:
-                    comp = f.read()
-                data = zstandard.ZstdDecompressor().decompress(comp)
-                with open(zback, "wb") as f:
-                    f.write(data)
+                for i, _ in enumerate(files):
+                    zf = os.path.join(work, f"z{i}.zst")
+                    with open(zf, "rb") as fh:
+                        comp = fh.read()
+                    data = zstandard.ZstdDecompressor().decompress(comp)
+                    with open(zf + ".back", "wb") as fh:
+                        fh.write(data)
 
             times["zstd_c"].append(timed(zc)[0])
             times["zstd_d"].append(timed(zd)[0])
+            zst_sizes = {i: os.path.getsize(os.path.join(work, f"z{i}.zst")) for i in range(len(files))}
+            zstd_exact = all(
+                hashlib.sha256(open(os.path.join(work, f"z{i}.zst.back"), "rb").read()).digest()
+                == hashlib.sha256(open(f, "rb").read()).digest()
+                for i, f in enumerate(files))
+            for i, _ in enumerate(files):
+                os.remove(os.path.join(work, f"z{i}.zst.back"))
 
-            def nc():
-                with open(path, "rb") as f:
-                    data = f.read()
-                comp = z.compress(data)
-                with open(znn, "wb") as f:
-                    f.write(comp)
+            if single:
+                def nc():
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    comp = z.compress(data)
+                    with open(znn, "wb") as f:
+                        f.write(comp)
 
-            def nd():
-                with open(znn, "rb") as f:
-                    comp = f.read()
-                data = z.decompress(comp)
-                with open(nback, "wb") as f:
-                    f.write(bytes(data))
+                def nd():
+                    with open(znn, "rb") as f:
+                        comp = f.read()
+                    data = z.decompress(comp)
+                    with open(nback, "wb") as f:
+                        f.write(bytes(data))
 
-            times["zipnn_c"].append(timed(nc)[0])
-            times["zipnn_d"].append(timed(nd)[0])
-        original = open(path, "rb").read()
-        ours_exact = tensors(path) == tensors(back)
-        zstd_exact = open(zback, "rb").read() == original
-        zipnn_exact = open(nback, "rb").read() == original
+                times["zipnn_c"].append(timed(nc)[0])
+                times["zipnn_d"].append(timed(nd)[0])
+        # the last round's artifact, unpacked once more for the exactness check
+        run([binary, "unpack", art, "-o", back])
+        ours_exact = tensor_digests(path) == tensor_digests(back)
+        os.remove(back)
         med = {k: statistics.median(v) for k, v in times.items()}
+        cli_size = sum(os.path.getsize(os.path.join(work, f"cli{i}.zst")) for i in range(len(files)))
         r = {
-            "file": path, "file_bytes": size, "dense_bytes": dense, "rounds": rounds,
+            "checkpoint": path, "shards": len(files), "file_bytes": size, "dense_bytes": dense,
+            "largest_tensor_bytes": largest_bytes, "rounds": rounds,
             "ours": {"file_over_dense": os.path.getsize(art) / dense, "exact": ours_exact,
                      "pack_mb_s": dense / med["pack"] / 1e6, "verify_mb_s": dense / med["verify"] / 1e6,
-                     "unpack_mb_s": dense / med["unpack"] / 1e6},
-            "zstd_3_t2": {"file_over_dense": os.path.getsize(zst) / dense, "exact": zstd_exact,
-                          "compress_mb_s": dense / med["zstd_c"] / 1e6,
-                          "decompress_mb_s": dense / med["zstd_d"] / 1e6},
-            "zipnn": {"file_over_dense": os.path.getsize(znn) / dense, "exact": zipnn_exact,
-                      "compress_mb_s": dense / med["zipnn_c"] / 1e6,
-                      "decompress_mb_s": dense / med["zipnn_d"] / 1e6},
+                     "verify_stored_mb_s": dense / med["verify_stored"] / 1e6,
+                     "unpack_mb_s": dense / med["unpack"] / 1e6,
+                     "pack_peak_rss_bytes": max(rss["pack"]) if None not in rss["pack"] else None,
+                     "unpack_peak_rss_bytes": max(rss["unpack"]) if None not in rss["unpack"] else None},
+            "zstd_cli_3_t2": {"file_over_dense": cli_size / dense,
+                              "compress_mb_s": dense / med["zstd_cli_c"] / 1e6,
+                              "decompress_mb_s": dense / med["zstd_cli_d"] / 1e6},
+            "zstandard_3_t2": {"file_over_dense": sum(zst_sizes.values()) / dense, "exact": zstd_exact,
+                               "compress_mb_s": dense / med["zstd_c"] / 1e6,
+                               "decompress_mb_s": dense / med["zstd_d"] / 1e6},
             "seconds": times,
         }
+        if single:
+            r["zipnn"] = {"file_over_dense": os.path.getsize(znn) / dense,
+                          "exact": open(nback, "rb").read() == open(path, "rb").read(),
+                          "compress_mb_s": dense / med["zipnn_c"] / 1e6,
+                          "decompress_mb_s": dense / med["zipnn_d"] / 1e6}
+            os.remove(nback)
         print(json.dumps(r), file=sys.stderr, flush=True)
         results.append(r)
+        for f in os.listdir(work):
+            os.remove(os.path.join(work, f))
     with open(out, "w") as f:
         json.dump({"versions": {"zstandard": zstandard.__version__, "zipnn": importlib.metadata.version("zipnn"),
-                                "numpy": np.__version__},
+                                "numpy": np.__version__,
+                                "zstd": subprocess.run(["zstd", "-V"], capture_output=True, text=True).stdout.strip()},
                    "results": results}, f, indent=2)
-    print("| file | ours: file / dense | pack | verify | unpack | zstd -3 T2: size | compress | decompress "
-          "| zipnn: size | compress | decompress |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| checkpoint | ours: file / dense | pack | verify | verify --stored | unpack | pack / unpack peak RSS "
+          "| zstd -3 -T2: size | compress | zstd -d | zipnn: size | compress | decompress |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        o, s, n = r["ours"], r["zstd_3_t2"], r["zipnn"]
+        o, c = r["ours"], r["zstd_cli_3_t2"]
+        n = r.get("zipnn")
         mark = lambda d: "" if d["exact"] else " (not exact)"
-        print(f"| {os.path.basename(r['file'])} | {o['file_over_dense']:.4f}{mark(o)} | {o['pack_mb_s']:.0f} MB/s "
-              f"| {o['verify_mb_s']:.0f} MB/s | {o['unpack_mb_s']:.0f} MB/s | {s['file_over_dense']:.4f}{mark(s)} "
-              f"| {s['compress_mb_s']:.0f} MB/s | {s['decompress_mb_s']:.0f} MB/s | {n['file_over_dense']:.4f}{mark(n)} "
-              f"| {n['compress_mb_s']:.0f} MB/s | {n['decompress_mb_s']:.0f} MB/s |")
+        mb = lambda b: f"{b / 1e6:.0f} MB" if b else "n/a"
+        zipnn = (f"{n['file_over_dense']:.4f}{mark(n)} | {n['compress_mb_s']:.0f} MB/s | {n['decompress_mb_s']:.0f} MB/s"
+                 if n else "not run | | ")
+        print(f"| {os.path.basename(r['checkpoint'].rstrip('/'))} | {o['file_over_dense']:.4f}{mark(o)} "
+              f"| {o['pack_mb_s']:.0f} MB/s | {o['verify_mb_s']:.0f} MB/s | {o['verify_stored_mb_s']:.0f} MB/s "
+              f"| {o['unpack_mb_s']:.0f} MB/s | {mb(o['pack_peak_rss_bytes'])} / {mb(o['unpack_peak_rss_bytes'])} "
+              f"| {c['file_over_dense']:.4f} | {c['compress_mb_s']:.0f} MB/s | {c['decompress_mb_s']:.0f} MB/s "
+              f"| {zipnn} |")
     print(f"wrote {out}")
 
 

@@ -16,9 +16,13 @@
 //! - `demo [ARGS]`: fixtures, then `compressme lossless-demo ARGS` in release.
 //! - `bench-lossless`: our lossless report and the Python peers (zstandard, blosc2,
 //!   zipnn) on the same bytes in the same run; JSON under `target/bench/`.
-//! - `bench-checkpoint`: whole checkpoints (MiniLM in f32 and in bf16): the CLI's
-//!   `pack`, `verify` and `unpack` against zstandard and zipnn on the same files, in
-//!   interleaved rounds; JSON under `target/bench/`, a table on stdout.
+//! - `bench-checkpoint [--big]`: whole checkpoints (MiniLM in f32 and in bf16; with
+//!   `--big`, also the 4 GiB sharded checkpoint): the CLI's `pack`, `verify` and `unpack`
+//!   against the zstd command line, zstandard and zipnn on the same files, in interleaved
+//!   rounds, with peak memory; JSON under `target/bench/`, a table on stdout.
+//! - `bigcheckpoint`: writes `target/bench/big/`, a sharded bf16 checkpoint of 4.01 GiB
+//!   shaped like a 7B Llama's first ten layers, its values drawn from MiniLM's rows
+//!   (`benches/examples/bigcheckpoint.rs`), a few rows at a time.
 //! - `fuzz [--seconds N] [--targets a,b]`: every parser under cargo-fuzz (nightly), N
 //!   seconds a target (default 600), seeded from the frozen fixtures; fails on a crash.
 //! - `tidy`: the crate graph and crate-doc checks (also run by `cargo test`).
@@ -101,11 +105,12 @@ fn main() -> ExitCode {
         Some("bench-real") => bench_real(args.get(1..).unwrap_or(&[])),
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
         Some("bench-lossless") => bench_lossless(),
-        Some("bench-checkpoint") => bench_checkpoint(),
+        Some("bench-checkpoint") => bench_checkpoint(args.get(1).map(String::as_str)),
+        Some("bigcheckpoint") => bigcheckpoint().map(drop),
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
         Some("fuzz") => fuzz::fuzz(&root(), args.get(1..).unwrap_or(&[])),
         _ => Err(
-            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | bench-checkpoint | fuzz [--seconds N] [--targets a,b] | tidy>"
+            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | bench-checkpoint [--big] | bigcheckpoint | fuzz [--seconds N] [--targets a,b] | tidy>"
                 .to_string(),
         ),
     };
@@ -494,7 +499,16 @@ fn run_benches(target: &str, name: &str, args: &[&Path]) -> Result<(), String> {
 }
 
 /// Whole checkpoints against the peers: see `benches/peers/checkpoint_peers.py`.
-fn bench_checkpoint() -> Result<(), String> {
+fn bench_checkpoint(flag: Option<&str>) -> Result<(), String> {
+    let big = match flag {
+        None => false,
+        Some("--big") => true,
+        Some(other) => {
+            return Err(format!(
+                "bench-checkpoint: unknown option `{other}` (--big)"
+            ));
+        }
+    };
     let model = fixtures()?.join("model.safetensors");
     let out = bench_dir()?;
     run(cargo()
@@ -502,12 +516,27 @@ fn bench_checkpoint() -> Result<(), String> {
         .args(["build", "--release", "--quiet", "-p", "compressme"]))?;
     let bf16 = out.join("minilm-bf16.safetensors");
     run_benches("--example", "to_bf16", &[&model, &bf16])?;
-    run(Command::new(peers_python()?)
-        .arg(root().join("benches/peers/checkpoint_peers.py"))
+    let mut cmd = Command::new(peers_python()?);
+    cmd.arg(root().join("benches/peers/checkpoint_peers.py"))
         .arg(root().join("target/release/compressme"))
         .arg(out.join("checkpoint-peers.json"))
         .arg(&model)
-        .arg(&bf16))
+        .arg(&bf16)
+        .env("WORK_DIR", &out);
+    if big {
+        cmd.arg(bigcheckpoint()?);
+    }
+    run(&mut cmd)
+}
+
+/// `target/bench/big/`, written once (kept while its index is there).
+fn bigcheckpoint() -> Result<PathBuf, String> {
+    let model = fixtures()?.join("model.safetensors");
+    let dir = bench_dir()?.join("big");
+    if !dir.join("model.safetensors.index.json").exists() {
+        run_benches("--example", "bigcheckpoint", &[&model, &dir])?;
+    }
+    Ok(dir)
 }
 
 fn bench_lossless() -> Result<(), String> {

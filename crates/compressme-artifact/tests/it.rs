@@ -885,3 +885,42 @@ fn a_reserved_header_room_gives_the_same_artifact_padded() {
         }
     }
 }
+
+/// `unpack` checks what it writes against the whole-tensor digests, not block by block:
+/// a corrupt block (resealed or not) still fails it, naming the tensor, and nothing is
+/// left at the destination; `verify` names the block.
+#[test]
+fn unpack_refuses_a_corrupt_block_and_leaves_nothing() {
+    let d = tmp("unpack-corrupt");
+    let good = d.join("good.cma");
+    write_sample(&good);
+    let raw = std::fs::read(&good).unwrap();
+    let header_len = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
+    let a = Artifact::open(&good, &Limits::default()).unwrap();
+    let e = a
+        .entries()
+        .iter()
+        .find(|e| e.name == compressme_artifact::blocks_name("emb.weight"))
+        .unwrap()
+        .clone();
+    // a byte in the last quarter of the blob: past the index, inside a block
+    let at = 8 + header_len + (e.begin + (e.end - e.begin) * 7 / 8) as usize;
+    let mut bad = raw.clone();
+    bad[at] ^= 0x10;
+    let bad_path = d.join("bad.cma");
+    std::fs::write(&bad_path, &bad).unwrap();
+    let mut b = Artifact::open(&bad_path, &Limits::default()).unwrap();
+    let out = d.join("out.safetensors");
+    let err = unpack(&mut b, &out, |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("emb.weight"), "{err}");
+    assert!(!out.exists());
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+    let v = b.verify().unwrap_err().to_string();
+    assert!(v.contains("emb.weight") && v.contains("block"), "{v}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
