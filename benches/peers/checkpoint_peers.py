@@ -110,13 +110,17 @@ def main():
             keys += ["zipnn_c", "zipnn_d"]
         times = {k: [] for k in keys}
         rss = {"pack": [], "unpack": []}
-        zst_sizes = {}
         znn = os.path.join(work, "z.znn")
         nback = os.path.join(work, "z.znn.back")
         if single:
             from zipnn import ZipNN
             z = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=2)
-        for _ in range(rounds):
+        ours_exact = None
+        art_size = None
+        zstd_exact = True
+        cli_size = 0
+        zst_size = 0
+        for rnd in range(rounds):
             for key, cmd in [("pack", [binary, "pack", path, "--lossless", "-o", art]),
                              ("verify", [binary, "verify", art]),
                              ("verify_stored", [binary, "verify", "--stored", art]),
@@ -125,49 +129,54 @@ def main():
                 times[key].append(t)
                 if key in rss:
                     rss[key].append(m)
-            os.remove(back)  # room on the disk for the peers' outputs
+            art_size = os.path.getsize(art)
+            if rnd == rounds - 1:
+                ours_exact = tensor_digests(path) == tensor_digests(back)
+            # outputs go as soon as they are measured: the 4 GiB checkpoint's fill the disk
+            os.remove(back)
+            os.remove(art)
 
-            def zstd_cli(decompress):
-                total = 0.0
-                for i, f in enumerate(files):
-                    zf = os.path.join(work, f"cli{i}.zst")
-                    cmd = (["zstd", "-q", "-f", "-d", zf, "-o", zf + ".back"] if decompress
-                           else ["zstd", "-q", "-f", "-3", "-T2", f, "-o", zf])
-                    total += run(cmd)[0]
-                    if decompress:
-                        os.remove(zf + ".back")
-                return total
+            cli_c = cli_d = 0.0
+            cli_size = 0
+            for f in files:
+                zf = os.path.join(work, "cli.zst")
+                cli_c += run(["zstd", "-q", "-f", "-3", "-T2", f, "-o", zf])[0]
+                cli_size += os.path.getsize(zf)
+                cli_d += run(["zstd", "-q", "-f", "-d", zf, "-o", zf + ".back"])[0]
+                os.remove(zf + ".back")
+                os.remove(zf)
+            times["zstd_cli_c"].append(cli_c)
+            times["zstd_cli_d"].append(cli_d)
 
-            times["zstd_cli_c"].append(zstd_cli(False))
-            times["zstd_cli_d"].append(zstd_cli(True))
+            py_c = py_d = 0.0
+            zst_size = 0
+            for f in files:
+                zf = os.path.join(work, "z.zst")
 
-            def zc():
-                for i, f in enumerate(files):
+                def zc():
                     with open(f, "rb") as fh:
                         data = fh.read()
                     comp = zstandard.ZstdCompressor(level=3, threads=2).compress(data)
                     del data
-                    with open(os.path.join(work, f"z{i}.zst"), "wb") as fh:
+                    with open(zf, "wb") as fh:
                         fh.write(comp)
 
-            def zd():
-                for i, _ in enumerate(files):
-                    zf = os.path.join(work, f"z{i}.zst")
+                def zd():
                     with open(zf, "rb") as fh:
                         comp = fh.read()
                     data = zstandard.ZstdDecompressor().decompress(comp)
                     with open(zf + ".back", "wb") as fh:
                         fh.write(data)
 
-            times["zstd_c"].append(timed(zc)[0])
-            times["zstd_d"].append(timed(zd)[0])
-            zst_sizes = {i: os.path.getsize(os.path.join(work, f"z{i}.zst")) for i in range(len(files))}
-            zstd_exact = all(
-                hashlib.sha256(open(os.path.join(work, f"z{i}.zst.back"), "rb").read()).digest()
-                == hashlib.sha256(open(f, "rb").read()).digest()
-                for i, f in enumerate(files))
-            for i, _ in enumerate(files):
-                os.remove(os.path.join(work, f"z{i}.zst.back"))
+                py_c += timed(zc)[0]
+                zst_size += os.path.getsize(zf)
+                py_d += timed(zd)[0]
+                with open(zf + ".back", "rb") as a, open(f, "rb") as b:
+                    zstd_exact = zstd_exact and hashlib.sha256(a.read()).digest() == hashlib.sha256(b.read()).digest()
+                os.remove(zf + ".back")
+                os.remove(zf)
+            times["zstd_c"].append(py_c)
+            times["zstd_d"].append(py_d)
 
             if single:
                 def nc():
@@ -186,16 +195,11 @@ def main():
 
                 times["zipnn_c"].append(timed(nc)[0])
                 times["zipnn_d"].append(timed(nd)[0])
-        # the last round's artifact, unpacked once more for the exactness check
-        run([binary, "unpack", art, "-o", back])
-        ours_exact = tensor_digests(path) == tensor_digests(back)
-        os.remove(back)
         med = {k: statistics.median(v) for k, v in times.items()}
-        cli_size = sum(os.path.getsize(os.path.join(work, f"cli{i}.zst")) for i in range(len(files)))
         r = {
             "checkpoint": path, "shards": len(files), "file_bytes": size, "dense_bytes": dense,
             "largest_tensor_bytes": largest_bytes, "rounds": rounds,
-            "ours": {"file_over_dense": os.path.getsize(art) / dense, "exact": ours_exact,
+            "ours": {"file_over_dense": art_size / dense, "exact": ours_exact,
                      "pack_mb_s": dense / med["pack"] / 1e6, "verify_mb_s": dense / med["verify"] / 1e6,
                      "verify_stored_mb_s": dense / med["verify_stored"] / 1e6,
                      "unpack_mb_s": dense / med["unpack"] / 1e6,
@@ -204,7 +208,7 @@ def main():
             "zstd_cli_3_t2": {"file_over_dense": cli_size / dense,
                               "compress_mb_s": dense / med["zstd_cli_c"] / 1e6,
                               "decompress_mb_s": dense / med["zstd_cli_d"] / 1e6},
-            "zstandard_3_t2": {"file_over_dense": sum(zst_sizes.values()) / dense, "exact": zstd_exact,
+            "zstandard_3_t2": {"file_over_dense": zst_size / dense, "exact": zstd_exact,
                                "compress_mb_s": dense / med["zstd_c"] / 1e6,
                                "decompress_mb_s": dense / med["zstd_d"] / 1e6},
             "seconds": times,

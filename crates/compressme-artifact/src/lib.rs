@@ -3,16 +3,21 @@
 //! `__metadata__`, verified block by block when written and when read.
 //!
 //! - [`Writer`] adds tensors one at a time (dense, lossless where it pays, quantized),
-//!   spooling payloads to a temporary file so memory holds one tensor; `finish` writes
-//!   the header and payloads, reopens the file and checks every stored byte against its
-//!   digest (`set_paranoid`: decodes and hashes everything again), and renames it into
-//!   place.
+//!   spooling payloads to a temporary file so memory holds one tensor, or straight into
+//!   the artifact after room reserved for its header ([`Writer::reserve_header`]);
+//!   [`Writer::prepare`] builds a tensor on any thread and [`Writer::commit`] writes it,
+//!   so a [`pipeline::ordered`] run prepares tensors in parallel and writes them in
+//!   order; `finish` writes the header, reopens the file and checks every stored byte
+//!   against its digest (`set_paranoid`: decodes and hashes everything again), and
+//!   renames it into place.
 //! - [`Artifact::open`] checks the header (sizes against caller-set [`Limits`] before
 //!   any allocation), the format name and version, and the recipe against the payload,
 //!   all before reading a payload byte; [`Artifact::verify`] checks every digest;
 //!   [`unpack`] writes a plain safetensors file, byte-identical for lossless tensors.
 //! - [`Checkpoint`] reads any safetensors checkpoint (one file, a folder, or shards
-//!   through the index JSON) a tensor at a time.
+//!   through the index JSON) a tensor at a time, each memory-mapped ([`Mapped`]: the
+//!   crate's only `unsafe`, with what it assumes written beside it); artifacts are read
+//!   the same way, block stores in place.
 //!
 //! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1 and 2": this build
 //! writes version 2 and reads both); frozen fixtures live under `fixtures/artifact/v1/`

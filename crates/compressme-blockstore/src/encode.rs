@@ -211,6 +211,34 @@ fn block_stats(
     scratch: &mut Scratch,
 ) -> BlockStats {
     let e = kind.element_size().bytes();
+    let rows = block.len().checked_div(row_bytes).unwrap_or(0);
+    // the common cases count each rotated element's bytes where they are, without
+    // making the planes (the encoder makes them once, when it codes the block)
+    let direct = match (kind.rotates_sign(), e) {
+        (true, 4) => Some(count_rotated::<4>(block, |w| {
+            u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+                .rotate_left(1)
+                .to_le_bytes()
+        })),
+        (true, 2) => Some(count_rotated::<2>(block, |w| {
+            u16::from_le_bytes([w[0], w[1]])
+                .rotate_left(1)
+                .to_le_bytes()
+        })),
+        _ => None,
+    };
+    if let Some(hists) = direct {
+        // a plane is constant when one byte value takes all of it
+        let constant = hists
+            .iter()
+            .map(|h| h.iter().filter(|&&c| c > 0).count() == 1)
+            .collect();
+        return BlockStats {
+            rows,
+            hists,
+            constant,
+        };
+    }
     make_planes(kind, block, scratch);
     let n = block.len() / e;
     let planes = (0..e).map(|k| scratch.planes.get(k * n..(k + 1) * n).unwrap_or(&[]));
@@ -237,10 +265,49 @@ fn block_stats(
         constant.push(is_constant(plane));
     }
     BlockStats {
-        rows: block.len().checked_div(row_bytes).unwrap_or(0),
+        rows,
         hists,
         constant,
     }
+}
+
+/// Per plane, the counts of byte `k` of each `N`-byte element rotated by `rot`: what
+/// [`make_planes`] then a count of each plane gives, in one pass and without writing
+/// the planes. Two partial counts a plane (even and odd elements), so runs of equal
+/// bytes (an exponent plane is mostly a few values) do not wait on one another.
+fn count_rotated<const N: usize>(
+    block: &[u8],
+    rot: impl Fn(&[u8; N]) -> [u8; N],
+) -> Vec<Histogram> {
+    let mut part = vec![[[0u32; 256]; 2]; N];
+    let mut pairs = block.chunks_exact(2 * N);
+    for p in &mut pairs {
+        let (a, b) = p.split_at(N);
+        let (Ok(a), Ok(b)) = (<&[u8; N]>::try_from(a), <&[u8; N]>::try_from(b)) else {
+            continue;
+        };
+        let (ra, rb) = (rot(a), rot(b));
+        for (k, pk) in part.iter_mut().enumerate() {
+            pk[0][usize::from(ra[k])] += 1;
+            pk[1][usize::from(rb[k])] += 1;
+        }
+    }
+    for c in pairs.remainder().chunks_exact(N) {
+        if let Ok(w) = <&[u8; N]>::try_from(c) {
+            for (pk, &x) in part.iter_mut().zip(rot(w).iter()) {
+                pk[0][usize::from(x)] += 1;
+            }
+        }
+    }
+    part.iter()
+        .map(|[even, odd]| {
+            let mut h = [0u32; 256];
+            for ((x, &a), &b) in h.iter_mut().zip(even.iter()).zip(odd.iter()) {
+                *x = a + b;
+            }
+            h
+        })
+        .collect()
 }
 
 fn is_constant(plane: &[u8]) -> bool {
