@@ -116,19 +116,6 @@ impl Prepared<'_> {
     pub fn added(&self) -> &Added {
         &self.added
     }
-
-    /// Bytes it holds in memory until committed (a shared input's bytes are the
-    /// caller's, not counted).
-    #[must_use]
-    pub fn held_bytes(&self) -> u64 {
-        self.parts
-            .iter()
-            .map(|(p, part)| match part {
-                Part::Shared(_) => 0,
-                _ => p.len,
-            })
-            .sum()
-    }
 }
 
 impl std::fmt::Debug for Prepared<'_> {
