@@ -387,12 +387,32 @@ fn cluster_tables(hists: &[&Histogram], k: usize, parallel: bool) -> Vec<CodeLen
             .enumerate()
             .max_by(|x, y| x.1.total_cmp(&y.1).then(y.0.cmp(&x.0)))
             .map_or(0, |(i, _)| i);
-        if let Some(h) = hists.get(seed) {
+        let pushed = if let Some(h) = hists.get(seed) {
             tables.push(CodeLengths::from_counts(&h.map(u64::from)));
-        }
+            true
+        } else {
+            false
+        };
         // a few Lloyd iterations: assign, rebuild from the groups, drop empty ones
-        for _ in 0..3 {
-            a = assign(&tables);
+        for round in 0..3 {
+            a = match (round, pushed, tables.last()) {
+                // `a` holds every block's best among the tables before the seed: only the
+                // seed's costs are new, and it wins a block only when strictly cheaper
+                // (ties go to the lower index, as in `best_table`)
+                (0, true, Some(seed_table)) => {
+                    let new = tables.len() - 1;
+                    let pick = |(&(t, c), h): (&(usize, u64), &&Histogram)| {
+                        let nc = seed_table.block_cost_bits(h);
+                        if nc < c { (new, nc) } else { (t, c) }
+                    };
+                    if parallel {
+                        a.par_iter().zip(hists.par_iter()).map(pick).collect()
+                    } else {
+                        a.iter().zip(hists.iter()).map(pick).collect()
+                    }
+                }
+                _ => assign(&tables),
+            };
             let mut sums = vec![[0u64; 256]; tables.len()];
             let mut used = vec![false; tables.len()];
             for (h, &(t, _)) in hists.iter().zip(&a) {

@@ -45,19 +45,47 @@ impl CodeLengths {
         let total: u64 = counts.iter().sum();
         let floor = (total >> 14).max(1);
         // Huffman tree by repeated merging of the two lightest nodes; ties by node index,
-        // so the result is deterministic.
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
+        // so the result is deterministic. Two queues instead of a heap: the leaves sorted
+        // by (weight, index), and the merged nodes, which are made in order of weight
+        // with rising indices, so the lighter of the two heads is always the lightest
+        // node left, as a heap would give it (the same tree, tie for tie).
         let mut parent: Vec<usize> = vec![usize::MAX; 511];
-        let mut heap: BinaryHeap<Reverse<(u64, usize)>> = counts
+        let mut leaves: Vec<(u64, usize)> = counts
             .iter()
             .enumerate()
             .filter(|&(_, &c)| c > 0)
-            .map(|(s, &c)| Reverse((c.max(floor), s)))
+            .map(|(s, &c)| (c.max(floor), s))
             .collect();
-        let mut next = 256;
-        while heap.len() > 1 {
-            let (Some(Reverse((wa, a))), Some(Reverse((wb, b)))) = (heap.pop(), heap.pop()) else {
+        leaves.sort_unstable();
+        let mut merged: Vec<(u64, usize)> = Vec::with_capacity(leaves.len());
+        let (mut li, mut mi) = (0usize, 0usize);
+        fn lightest(
+            leaves: &[(u64, usize)],
+            merged: &[(u64, usize)],
+            li: &mut usize,
+            mi: &mut usize,
+        ) -> Option<(u64, usize)> {
+            match (leaves.get(*li), merged.get(*mi)) {
+                (Some(&l), Some(&m)) if l <= m => {
+                    *li += 1;
+                    Some(l)
+                }
+                (_, Some(&m)) => {
+                    *mi += 1;
+                    Some(m)
+                }
+                (Some(&l), None) => {
+                    *li += 1;
+                    Some(l)
+                }
+                (None, None) => None,
+            }
+        }
+        // n leaves take n - 1 merges; merged nodes are numbered from 256
+        for next in (256..).take(leaves.len().saturating_sub(1)) {
+            let a = lightest(&leaves, &merged, &mut li, &mut mi);
+            let b = lightest(&leaves, &merged, &mut li, &mut mi);
+            let (Some((wa, a)), Some((wb, b))) = (a, b) else {
                 break;
             };
             for child in [a, b] {
@@ -65,8 +93,7 @@ impl CodeLengths {
                     *p = next;
                 }
             }
-            heap.push(Reverse((wa.saturating_add(wb), next)));
-            next += 1;
+            merged.push((wa.saturating_add(wb), next));
         }
         let mut depth = [0u32; 256];
         for (s, d) in depth
@@ -117,7 +144,8 @@ impl CodeLengths {
         let mut order: Vec<usize> = (0..256)
             .filter(|&s| counts.get(s).is_some_and(|&c| c > 0))
             .collect();
-        order.sort_by(|&a, &b| counts.get(b).cmp(&counts.get(a)).then(a.cmp(&b)));
+        // keys are unique (count, then index): an unstable sort gives the same order
+        order.sort_unstable_by(|&a, &b| counts.get(b).cmp(&counts.get(a)).then(a.cmp(&b)));
         let mut lens = [0u8; 256];
         let mut it = order.into_iter();
         for l in 1..=max {
@@ -562,6 +590,72 @@ impl<'a> Bits<'a> {
 )] // tests index fixed arrays and count small numbers
 mod tests {
     use super::*;
+
+    /// The tree depths a binary heap gives (lightest two first, ties by node index): what
+    /// `from_counts` built before its two queues, kept to show they agree tie for tie.
+    fn heap_depths(counts: &[u64; 256]) -> [u32; 256] {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let total: u64 = counts.iter().sum();
+        let floor = (total >> 14).max(1);
+        let mut parent = vec![usize::MAX; 511];
+        let mut heap: BinaryHeap<Reverse<(u64, usize)>> = counts
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| c > 0)
+            .map(|(s, &c)| Reverse((c.max(floor), s)))
+            .collect();
+        let mut next = 256;
+        while heap.len() > 1 {
+            let (Some(Reverse((wa, a))), Some(Reverse((wb, b)))) = (heap.pop(), heap.pop()) else {
+                break;
+            };
+            parent[a] = next;
+            parent[b] = next;
+            heap.push(Reverse((wa + wb, next)));
+            next += 1;
+        }
+        let mut depth = [0u32; 256];
+        for s in (0..256).filter(|&s| counts[s] > 0) {
+            let mut node = s;
+            while parent[node] != usize::MAX {
+                node = parent[node];
+                depth[s] += 1;
+            }
+        }
+        depth
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn two_queues_build_the_heaps_tree(
+            counts in proptest::collection::vec(0u64..50, 256),
+            scale in 1u64..1000,
+        ) {
+            // small counts make many ties; the scale makes some weights equal to sums
+            let mut c = [0u64; 256];
+            for (x, &v) in c.iter_mut().zip(&counts) {
+                *x = v * scale;
+            }
+            if c.iter().filter(|&&x| x > 0).count() > 1 {
+                let max = u32::from(MAX_LEN);
+                let depths = heap_depths(&c);
+                let lens = CodeLengths::from_counts(&c);
+                // where the length limit does not bind, as many symbols get each length
+                // as the tree has leaves at that depth (the lengths are then handed out
+                // by frequency)
+                if depths.iter().all(|&d| d <= max) {
+                    let mut want = [0u32; 16];
+                    let mut got = [0u32; 16];
+                    for s in 0..256 {
+                        want[depths[s] as usize] += 1;
+                        got[usize::from(lens.0[s])] += 1;
+                    }
+                    proptest::prop_assert_eq!(want, got);
+                }
+            }
+        }
+    }
 
     fn counts_of(data: &[u8]) -> [u64; 256] {
         let mut c = [0u64; 256];
