@@ -5,15 +5,13 @@
 
 use std::path::Path;
 
-use sha2::Digest;
-
 use compressme_blockstore::ValueKind;
 
-use crate::read::{Artifact, STREAM_BYTES, Streamed, Summary, check_digest};
-use crate::recipe::{StorageRecipe, TensorRecipe};
+use crate::Result;
+use crate::read::{Artifact, STREAM_BYTES, Streamed, Summary};
+use crate::recipe::TensorRecipe;
 use crate::st::{AtomicFile, Dtype, Planned, header_bytes};
 use crate::validate::decoded_bytes;
-use crate::{Error, Result};
 
 /// The block store's value kind for a dtype.
 #[must_use]
@@ -127,49 +125,24 @@ pub fn unpack(
     let mut at = header.len() as u64;
     let mut items = Vec::with_capacity(tensors.len());
     for (t, p) in tensors.iter().zip(&planned) {
-        items.push((t, p.len, at));
+        items.push((t, at));
         at = at.saturating_add(p.len);
     }
     let art: &Artifact = artifact;
     let out_ref = &out;
     // one writer at a time: concurrent writes to one file spin on its lock in the kernel
     let writing = std::sync::Mutex::new(());
-    let weight = |(t, _, _): &(&TensorRecipe, u64, u64)| art.stored_bytes(t);
-    let work = |(t, len, offset): (&TensorRecipe, u64, u64)| -> Result<Streamed> {
-        // lossless bytes hashed as they are written (dense ones were checked on reading);
-        // a mismatch abandons the file before it is renamed
-        let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
-        let mut h = sha2::Sha256::new();
-        let mut got = 0u64;
+    let weight = |(t, _): &(&TensorRecipe, u64)| art.stored_bytes(t);
+    let work = |(t, offset): (&TensorRecipe, u64)| -> Result<Streamed> {
         // every lossless block is decoded and the result checked against the tensor's
-        // digest below: block digests are `verify`'s (it names the block)
-        let streamed = art.stream_tensor(&t.name, false, |piece| {
-            let at = offset.saturating_add(got);
-            got = got.saturating_add(piece.len() as u64);
-            if got > len {
-                return Err(Error::Invalid {
-                    tensor: t.name.clone(),
-                    reason: format!("decodes to more than {len} bytes"),
-                });
-            }
-            if lossless {
-                h.update(piece);
-            }
+        // digest: block digests are `verify`'s (it names the block); a mismatch abandons
+        // the file before it is renamed
+        art.stream_checked(t, false, |at, piece| {
             let _turn = writing
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            out_ref.write_all_at(at, piece)
-        })?;
-        if got != len {
-            return Err(Error::Invalid {
-                tensor: t.name.clone(),
-                reason: format!("decoded {got} bytes, expected {len}"),
-            });
-        }
-        if streamed == Streamed::Decoded {
-            check_digest(t, h)?;
-        }
-        Ok(streamed)
+            out_ref.write_all_at(offset.saturating_add(at), piece)
+        })
     };
     let mut s = Summary::default();
     let mut names = tensors.iter().zip(&planned);

@@ -357,7 +357,7 @@ impl Artifact {
     /// `blocks`: whether each lossless block is checked against its digest before it is
     /// decoded (`verify`), or only what the caller checks (`unpack`: the whole-tensor
     /// digest of everything decoded, see [`BlockStore::skip_block_digests`]).
-    pub(crate) fn stream_tensor(
+    fn stream_tensor(
         &self,
         name: &str,
         blocks: bool,
@@ -380,7 +380,6 @@ impl Artifact {
                 if !blocks {
                     store.skip_block_digests();
                 }
-                let store = store;
                 let (rb, br) = (store.row_bytes(), store.block_rows());
                 let block_bytes = rb.saturating_mul(br);
                 if block_bytes == 0 {
@@ -410,19 +409,19 @@ impl Artifact {
                         .map_err(blocks_err)?;
                     Ok(b1)
                 };
+                if nb == 0 {
+                    return Ok(Streamed::Decoded);
+                }
                 let (mut ready, mut spare) = (Vec::new(), Vec::new());
-                let mut b0 = if nb > 0 { decode(0, &mut ready)? } else { 0 };
-                while !ready.is_empty() || b0 < nb {
-                    if b0 >= nb {
-                        sink(&ready)?;
-                        break;
-                    }
+                let mut b0 = decode(0, &mut ready)?;
+                while b0 < nb {
                     // the sink takes this piece while the next one is decoded
                     let (taken, next) = rayon::join(|| sink(&ready), || decode(b0, &mut spare));
                     taken?;
                     b0 = next?;
                     std::mem::swap(&mut ready, &mut spare);
                 }
+                sink(&ready)?;
                 Ok(Streamed::Decoded)
             }
             Stored::Quantized(p) => {
@@ -524,18 +523,38 @@ impl Artifact {
             self.read_stored(&t.name)?;
             return Ok(());
         }
-        // only lossless bytes are hashed here: dense bytes were checked as they were
-        // read, and packed buffers against their payload digest
+        self.stream_checked(t, true, |_, _| Ok(())).map(drop)
+    }
+
+    /// [`Artifact::stream_tensor`] with everything it leaves checked: `sink` gets each
+    /// piece with its offset in the tensor; the tensor must decode to exactly the
+    /// recipe's size; a lossless tensor's bytes are hashed as they pass and checked
+    /// against its whole-tensor digest at the end (dense bytes were checked as they were
+    /// read, packed buffers against their payload digest). What `verify` and `unpack`
+    /// share.
+    pub(crate) fn stream_checked(
+        &self,
+        t: &TensorRecipe,
+        blocks: bool,
+        mut sink: impl FnMut(u64, &[u8]) -> Result<()> + Send,
+    ) -> Result<Streamed> {
         let want = decoded_bytes(t).unwrap_or(u64::MAX);
         let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
         let mut h = sha2::Sha256::new();
         let mut got = 0u64;
-        let streamed = self.stream_tensor(&t.name, true, |b| {
-            if lossless {
-                h.update(b);
+        let streamed = self.stream_tensor(&t.name, blocks, |piece| {
+            let at = got;
+            got = got.saturating_add(piece.len() as u64);
+            if got > want {
+                return Err(Error::Invalid {
+                    tensor: t.name.clone(),
+                    reason: format!("decodes to more than {want} bytes"),
+                });
             }
-            got = got.saturating_add(b.len() as u64);
-            Ok(())
+            if lossless {
+                h.update(piece);
+            }
+            sink(at, piece)
         })?;
         if got != want {
             return Err(Error::Invalid {
@@ -546,7 +565,7 @@ impl Artifact {
         if streamed == Streamed::Decoded {
             check_digest(t, h)?;
         }
-        Ok(())
+        Ok(streamed)
     }
 }
 
@@ -573,7 +592,7 @@ pub(crate) enum Streamed {
 }
 
 /// The whole-tensor digest of `t` against what `h` was fed.
-pub(crate) fn check_digest(t: &TensorRecipe, h: sha2::Sha256) -> Result<()> {
+fn check_digest(t: &TensorRecipe, h: sha2::Sha256) -> Result<()> {
     let d: [u8; 32] = h.finalize().into();
     if t.sha256.as_deref() == Some(hex(&d).as_str()) {
         Ok(())

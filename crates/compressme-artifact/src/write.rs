@@ -99,7 +99,8 @@ pub enum Storage {
 enum Part<'a> {
     Bytes(Cow<'a, [u8]>),
     Shared(SharedBytes),
-    Store(BlockStore),
+    /// A block store's serialized index, then its payload (never copied).
+    Store(Vec<u8>, BlockStore),
 }
 
 /// A tensor ready to be written ([`Writer::prepare`], [`Writer::prepare_packed`]): its
@@ -256,21 +257,9 @@ impl Writer {
                     coder,
                     row_index,
                 } => {
-                    let (rows, row_bytes) = row_view(dtype, shape);
                     planned.push(part(blocks_name(name), Dtype::U8));
-                    let storage = StorageRecipe::Lossless {
-                        block_rows: *block_rows,
-                        rows,
-                        row_bytes,
-                        coder: match coder {
-                            Coder::Zstd { level } => format!("zstd-{level}"),
-                            _ => "huffman".into(),
-                        },
-                        row_index: *row_index,
-                        element_size: dtype.size(),
-                        block_sha256: Vec::new(),
-                        index_sha256: Some(digest()),
-                    };
+                    let storage =
+                        lossless_recipe(dtype, shape, *block_rows, *coder, *row_index, digest());
                     (Some(digest()), storage)
                 }
                 Storage::Quantized { format, .. } => {
@@ -342,17 +331,17 @@ impl Writer {
     /// A reserved or repeated name, [`Error::Io`].
     pub fn commit(&mut self, p: Prepared<'_>) -> Result<Added> {
         self.claim(&p.tensor.name)?;
-        for (planned, part) in &p.parts {
-            match part {
+        for (planned, part) in p.parts {
+            match &part {
                 Part::Bytes(b) => self.data.write_all(b)?,
                 Part::Shared(b) => self.data.write_all((**b).as_ref())?,
                 // index and payload written in turn: the payload is never copied
-                Part::Store(store) => {
-                    self.data.write_all(&store.index_bytes())?;
+                Part::Store(index, store) => {
+                    self.data.write_all(index)?;
                     self.data.write_all(store.payload())?;
                 }
             }
-            self.planned.push(planned.clone());
+            self.planned.push(planned);
         }
         self.tensors.push(p.tensor);
         Ok(p.added)
@@ -516,7 +505,8 @@ impl Writer {
                     tensor: name.into(),
                     source,
                 })?;
-                let blob_len = store.index_bytes().len() + store.payload().len();
+                let index = store.index_bytes();
+                let blob_len = index.len() + store.payload().len();
                 if blob_len >= bytes.len() {
                     return Ok(Self::prepare_dense(name, dtype, shape, input, true));
                 }
@@ -529,26 +519,21 @@ impl Writer {
                             shape: vec![blob_len],
                             len: blob_len as u64,
                         },
-                        Part::Store(store),
+                        Part::Store(index, store),
                     )],
                     tensor: TensorRecipe {
                         name: name.into(),
                         dtype: dtype.name().into(),
                         shape: shape.to_vec(),
                         sha256: Some(sha),
-                        storage: StorageRecipe::Lossless {
-                            block_rows: *block_rows,
-                            rows,
-                            row_bytes,
-                            coder: match coder {
-                                Coder::Zstd { level } => format!("zstd-{level}"),
-                                _ => "huffman".into(),
-                            },
-                            row_index: *row_index,
-                            element_size: dtype.size(),
-                            block_sha256: Vec::new(),
-                            index_sha256: Some(index_sha),
-                        },
+                        storage: lossless_recipe(
+                            dtype,
+                            shape,
+                            *block_rows,
+                            *coder,
+                            *row_index,
+                            index_sha,
+                        ),
                     },
                     added: Added {
                         name: name.into(),
@@ -759,6 +744,31 @@ impl Writer {
         };
         out.commit()?;
         Ok(summary)
+    }
+}
+
+/// A lossless tensor's recipe entry (version 2: the block store's index digest).
+fn lossless_recipe(
+    dtype: Dtype,
+    shape: &[usize],
+    block_rows: usize,
+    coder: Coder,
+    row_index: bool,
+    index_sha256: String,
+) -> StorageRecipe {
+    let (rows, row_bytes) = row_view(dtype, shape);
+    StorageRecipe::Lossless {
+        block_rows,
+        rows,
+        row_bytes,
+        coder: match coder {
+            Coder::Zstd { level } => format!("zstd-{level}"),
+            _ => "huffman".into(),
+        },
+        row_index,
+        element_size: dtype.size(),
+        block_sha256: Vec::new(),
+        index_sha256: Some(index_sha256),
     }
 }
 

@@ -43,6 +43,11 @@ fn bf16(bytes: &[u8]) -> Vec<u8> {
     bytes.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect()
 }
 
+/// The safetensors header's length (bytes after the 8-byte prefix).
+fn header_len(bytes: &[u8]) -> usize {
+    u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize
+}
+
 /// The artifact the tests share: lossless f32 and bf16 (specials included), a tensor
 /// too small to pack, a quantized matrix, and an i64 tensor kept dense.
 fn write_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
@@ -206,7 +211,7 @@ fn corruption_sweep_every_case_is_an_error() {
     let good = d.join("good.cma");
     write_sample(&good);
     let bytes = std::fs::read(&good).unwrap();
-    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header_len = header_len(&bytes);
     let n = bytes.len();
     let bad = d.join("bad.cma");
     let limits = Limits::default();
@@ -301,7 +306,7 @@ fn bless(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     write_sample(&sample);
     let good = std::fs::read(&sample).unwrap();
-    let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let header_len = header_len(&good);
     let mut b = good.clone();
     let last = b.len() - 100;
     b[last] ^= 0x01;
@@ -471,7 +476,7 @@ fn sharded_checkpoints_read_through_their_index() {
 /// correct recipe digest), payload unchanged: what a hostile writer can do.
 fn reseal(src: &Path, dst: &Path, edit: impl Fn(&mut compressme_artifact::Recipe)) {
     let bytes = std::fs::read(src).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let n = header_len(&bytes);
     let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     let md = header["__metadata__"].as_object_mut().unwrap();
     let mut recipe: compressme_artifact::Recipe =
@@ -680,7 +685,7 @@ fn every_read_checks_what_it_pairs() {
 /// data section unchanged), the length field set to the new text's length.
 fn rewrite_header(src: &Path, dst: &Path, edit: impl Fn(&str) -> String) {
     let bytes = std::fs::read(src).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let n = header_len(&bytes);
     let text = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
     let h = edit(text);
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -780,7 +785,7 @@ fn mapped_reads_equal_copied_reads() {
     let tensors = write_sample(&path);
     let a = Artifact::open(&path, &Limits::default()).unwrap();
     let raw = std::fs::read(&path).unwrap();
-    let header_len = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
+    let header_len = header_len(&raw);
     let data = &raw[8 + header_len..];
     let mut lossless = 0;
     for (name, _, _, bytes) in &tensors {
@@ -838,10 +843,7 @@ fn a_reserved_header_room_gives_the_same_artifact_padded() {
         }
     };
     let plain_bytes = std::fs::read(&plain).unwrap();
-    let data_of = |b: &[u8]| {
-        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-        b[8 + n..].to_vec()
-    };
+    let data_of = |b: &[u8]| b[8 + header_len(b)..].to_vec();
     for room in [None, Some(16u64)] {
         let path = d.join(format!("room-{room:?}.cma"));
         let mut w = Writer::create(&path).unwrap();
@@ -869,7 +871,7 @@ fn a_reserved_header_room_gives_the_same_artifact_padded() {
         assert_eq!(a.entries(), plain_art.entries());
         let got = std::fs::read(&path).unwrap();
         assert!(data_of(&got) == data_of(&plain_bytes), "{room:?}");
-        let header_len = u64::from_le_bytes(got[..8].try_into().unwrap());
+        let header_len = header_len(&got) as u64;
         match room {
             // the bound held: the header fills the room, the excess spaces
             None => {
@@ -895,7 +897,7 @@ fn unpack_refuses_a_corrupt_block_and_leaves_nothing() {
     let good = d.join("good.cma");
     write_sample(&good);
     let raw = std::fs::read(&good).unwrap();
-    let header_len = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
+    let header_len = header_len(&raw);
     let a = Artifact::open(&good, &Limits::default()).unwrap();
     let e = a
         .entries()

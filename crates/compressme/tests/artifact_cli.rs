@@ -460,16 +460,8 @@ fn pack_and_unpack_do_not_depend_on_the_thread_count() {
     };
     let d = tmp("threads");
     let with_threads = |threads: &str, args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_compressme"))
-            .args(args)
-            .env("RAYON_NUM_THREADS", threads)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (ok, _, err) = common::run_env(args, &[("RAYON_NUM_THREADS", threads)]);
+        assert!(ok, "{err}");
     };
     let mut packed = Vec::new();
     let mut unpacked = Vec::new();

@@ -145,15 +145,8 @@ fn interrupted_pack_and_unpack_leave_no_temporary_file() {
     for f in [&ours, &other, &not_a_pid] {
         std::fs::write(f, b"keep").unwrap();
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
-        .args(["unpack", &s(&art), "-o", &s(&back)])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, _, err) = common::run(&["unpack", &s(&art), "-o", &s(&back)]);
+    assert!(ok, "{err}");
     let mut left: Vec<String> = hidden(&d).into_iter().map(|(n, _)| n).collect();
     left.sort();
     let mut want: Vec<String> = [&ours, &other, &not_a_pid]

@@ -10,8 +10,14 @@ pub(crate) fn root() -> PathBuf {
 
 /// Runs the built `compressme` with `args`: (success, stdout, stderr).
 pub(crate) fn run(args: &[&str]) -> (bool, String, String) {
+    run_env(args, &[])
+}
+
+/// [`run`] with environment variables set for the child.
+pub(crate) fn run_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (

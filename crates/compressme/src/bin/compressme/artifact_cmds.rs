@@ -113,9 +113,16 @@ impl Input {
     }
 }
 
-/// One tensor for `pack`'s pipeline: name, dtype, shape, storage, and its bytes when
-/// they are already in memory.
-type Item = (String, Dtype, Vec<usize>, Storage, Option<Vec<u8>>);
+/// One tensor for `pack`'s pipeline: name, dtype, shape, storage, its bytes when they
+/// are already in memory, and the tensor itself when it was prepared ahead.
+type Item = (
+    String,
+    Dtype,
+    Vec<usize>,
+    Storage,
+    Option<Vec<u8>>,
+    Option<compressme::artifact::Prepared<'static>>,
+);
 
 fn dense_len(dtype: Dtype, shape: &[usize]) -> u64 {
     shape.iter().product::<usize>() as u64 * dtype.size() as u64
@@ -341,63 +348,67 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         // a model's tensors are already in memory: handed over; a checkpoint's are
         // memory-mapped when their turn comes
         let held = owned.remove(name).map(|(_, _, b)| b);
-        items.push((name.clone(), *dtype, shape.clone(), storage, held));
+        items.push((name.clone(), *dtype, shape.clone(), storage, held, None));
     }
-    // payloads go straight into the artifact, after room kept for its header; a small
-    // tensor asked to be lossless is tried first, so that the room is not sized for
-    // block entries where blocks will not pay (large ones are sized as lossless: the
-    // room is a bound whichever way they go)
+    // payloads go straight into the artifact, after room kept for its header. A small
+    // tensor asked to be lossless is prepared now, so that the room is not sized for a
+    // block entry where blocks did not pay (its result is the one written); large ones
+    // are sized as lossless: the room is a bound whichever way they go
     let mut predicted = Vec::with_capacity(items.len());
-    for (name, dtype, shape, storage, held) in &items {
+    for (name, dtype, shape, storage, held, ready) in &mut items {
         let small = dense_len(*dtype, shape) < 64 << 10;
-        let kept_dense = |b: &[u8]| -> Result<bool> {
-            let p = Writer::prepare(name, *dtype, shape, WriteInput::Borrowed(b), storage)?;
-            Ok(p.added().kept_dense)
-        };
-        let dense = match (storage, held, ckpt) {
-            (Storage::Lossless { .. }, Some(b), _) if small => kept_dense(b)?,
-            (Storage::Lossless { .. }, None, Some(c)) if small => kept_dense(&c.map(name)?)?,
-            _ => false,
-        };
-        predicted.push(if dense {
-            Storage::Dense
-        } else {
-            storage.clone()
-        });
+        if small && matches!(storage, Storage::Lossless { .. }) {
+            let bytes: SharedBytes = match (held.take(), ckpt) {
+                (Some(v), _) => Arc::new(v),
+                // copied, not mapped: held until its turn, a map each would add up
+                (None, Some(c)) => Arc::new(c.read(name)?),
+                (None, None) => bail!("tensor `{name}` has no bytes"),
+            };
+            let p = Writer::prepare(name, *dtype, shape, WriteInput::Shared(bytes), storage)?;
+            if p.added().kept_dense {
+                *storage = Storage::Dense;
+            }
+            *ready = Some(p);
+        }
+        predicted.push(storage.clone());
     }
     let plan: Vec<(&str, Dtype, &[usize], &Storage)> = items
         .iter()
         .zip(&predicted)
-        .map(|((n, d, s, _, _), st)| (n.as_str(), *d, s.as_slice(), st))
+        .map(|((n, d, s, _, _, _), st)| (n.as_str(), *d, s.as_slice(), st))
         .collect();
     let room = w.header_room(&plan)?;
     w.reserve_header(room)?;
     drop(plan);
     let keep_unrepresentable = a.keep_unrepresentable;
-    let work = |(name, dtype, shape, storage, held): Item| -> compressme::artifact::Result<_> {
-        let bytes: SharedBytes = match (held, ckpt) {
-            (Some(v), _) => Arc::new(v),
-            (None, Some(c)) => Arc::new(c.map(&name)?),
-            (None, None) => return Err(compressme::artifact::Error::MissingTensor(name)),
-        };
-        let input = WriteInput::Shared(bytes.clone());
-        match Writer::prepare(&name, dtype, &shape, input, &storage) {
-            Err(compressme::artifact::Error::Quant {
-                source: e @ compressme::quant::Error::Unrepresentable { .. },
-                ..
-            }) if keep_unrepresentable => {
-                let dense = Writer::prepare(
-                    &name,
-                    dtype,
-                    &shape,
-                    WriteInput::Shared(bytes),
-                    &Storage::Dense,
-                )?;
-                Ok((dense, Some(format!("{name}: kept dense ({e})"))))
+    let work =
+        |(name, dtype, shape, storage, held, ready): Item| -> compressme::artifact::Result<_> {
+            if let Some(p) = ready {
+                return Ok((p, None));
             }
-            r => r.map(|p| (p, None)),
-        }
-    };
+            let bytes: SharedBytes = match (held, ckpt) {
+                (Some(v), _) => Arc::new(v),
+                (None, Some(c)) => Arc::new(c.map(&name)?),
+                (None, None) => return Err(compressme::artifact::Error::MissingTensor(name)),
+            };
+            let input = WriteInput::Shared(bytes.clone());
+            match Writer::prepare(&name, dtype, &shape, input, &storage) {
+                Err(compressme::artifact::Error::Quant {
+                    source: e @ compressme::quant::Error::Unrepresentable { .. },
+                    ..
+                }) if keep_unrepresentable => {
+                    let dense = Writer::prepare(
+                        &name,
+                        dtype,
+                        &shape,
+                        WriteInput::Shared(bytes),
+                        &Storage::Dense,
+                    )?;
+                    Ok((dense, Some(format!("{name}: kept dense ({e})"))))
+                }
+                r => r.map(|p| (p, None)),
+            }
+        };
     let sink = |(p, note): (compressme::artifact::Prepared<'static>, Option<String>)| {
         let added = w.commit(p)?;
         let name = &added.name;
@@ -420,7 +431,7 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         report.push(added);
         Ok(())
     };
-    let weight = |(_, dtype, shape, _, _): &Item| dense_len(*dtype, shape);
+    let weight = |(_, dtype, shape, _, _, _): &Item| dense_len(*dtype, shape);
     let budget = largest.max(64 << 20);
     if let Err(e) = compressme::artifact::pipeline::ordered(items, weight, budget, work, sink) {
         if let compressme::artifact::Error::Quant {
