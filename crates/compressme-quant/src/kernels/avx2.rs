@@ -14,7 +14,8 @@ use std::arch::x86_64::{
     _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32,
 };
 
-use super::{STEP, portable};
+use super::{RowScales, STEP, portable};
+use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 
 /// Proof that the CPU has AVX2, FMA and F16C.
 #[derive(Debug, Clone, Copy)]
@@ -231,6 +232,242 @@ unsafe fn dot_nibbles_imp<const N: usize, const R: usize>(
             }
         }
         flush(&mut f, acc, s);
+        start = end;
+    }
+    f.map(|v| hsum(v))
+}
+
+/// [`dot_groups`] for `M` weight rows (codes as stored bytes, read as `i8`) against one
+/// `x` row: `x` is loaded once for all of them. Each row's sums, flushes and final
+/// horizontal sum are done in the same order as [`dot_groups`] with one `x` row, so the
+/// results are the same bits.
+pub(super) fn dot_groups_rows<const M: usize>(
+    t: Token,
+    w: [&[u8]; M],
+    x: &[i16],
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let kp = w.first().map_or(0, |r| r.len());
+    let fits = group > 0
+        && group.is_multiple_of(STEP)
+        && kp.is_multiple_of(STEP)
+        && w.iter().all(|r| r.len() == kp)
+        && x.len() >= kp;
+    if !fits {
+        return portable::dot_groups_rows(w, x, group, scales);
+    }
+    let _ = t;
+    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
+    unsafe {
+        match group {
+            32 => dot_groups_rows_imp::<M, 2>(w, x, group, scales),
+            64 => dot_groups_rows_imp::<M, 4>(w, x, group, scales),
+            128 => dot_groups_rows_imp::<M, 8>(w, x, group, scales),
+            _ => dot_groups_rows_imp::<M, 0>(w, x, group, scales),
+        }
+    }
+}
+
+/// One step of 16 weights of every row against `x`.
+///
+/// # Safety
+/// AVX2 present; `c + 16 <= w[m].len()` for every row and `c + 16 <= x.len()`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn step_rows<const M: usize>(w: &[&[u8]; M], x: &[i16], c: usize, acc: &mut [__m256i; M]) {
+    // SAFETY: 16 i16 of `x` from c are in range (caller)
+    let xv = unsafe { _mm256_loadu_si256(x.as_ptr().add(c).cast::<__m256i>()) };
+    for (a, r) in acc.iter_mut().zip(w) {
+        // SAFETY: 16 bytes of the row from c are in range (caller)
+        let wv = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(r.as_ptr().add(c).cast()) });
+        *a = _mm256_add_epi32(*a, _mm256_madd_epi16(wv, xv));
+    }
+}
+
+/// `G` steps a group when it is not 0 (then `group == 16 * G`).
+///
+/// # Safety
+/// AVX2 and FMA present; every row's length the same multiple of 16, `group` a multiple of
+/// 16; `x` at least that long.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
+    w: [&[u8]; M],
+    x: &[i16],
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let kp = w.first().map_or(0, |r| r.len());
+    let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
+    let ahead = following(&w);
+    let mut f = [_mm256_setzero_ps(); M];
+    let mut start = 0;
+    for g in 0..groups {
+        if start >= kp {
+            break;
+        }
+        let end = (start + group).min(kp);
+        let mut acc = [_mm256_setzero_si256(); M];
+        if G > 0 && end - start == G * STEP {
+            for k in 0..G {
+                let c = start + k * STEP;
+                // the same share of the rows that follow, a cache line a step
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * c));
+                // SAFETY: c + 16 <= end <= kp, every row's and x's length
+                unsafe { step_rows(&w, x, c, &mut acc) };
+            }
+        } else {
+            let mut c = start;
+            while c < end {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * c));
+                // SAFETY: c + 16 <= end <= kp (all multiples of 16)
+                unsafe { step_rows(&w, x, c, &mut acc) };
+                c += STEP;
+            }
+        }
+        flush_rows(&mut f, acc, &scales, g);
+        start = end;
+    }
+    f.map(|v| hsum(v))
+}
+
+/// Where the bytes after the last of `rows` start: the next rows of the same matrix, which
+/// the multi-row kernels prefetch (one cache line for each 64 bytes they read), so the
+/// memory stream runs ahead of the arithmetic. A prefetch is only a hint: it never faults,
+/// so the address may lie past the end of the matrix.
+fn following<const M: usize>(rows: &[&[u8]; M]) -> *const i8 {
+    rows.last().map_or(std::ptr::null(), |r| {
+        r.as_ptr().wrapping_add(r.len()).cast::<i8>()
+    })
+}
+
+/// Row `m`'s group sums, scaled by its own scale of group `g`, into its f32 accumulator: the
+/// same operations as [`flush`] does for one row.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn flush_rows<const M: usize>(
+    f: &mut [__m256; M],
+    acc: [__m256i; M],
+    scales: &[RowScales<'_>; M],
+    g: usize,
+) {
+    for ((fi, a), s) in f.iter_mut().zip(acc).zip(scales) {
+        let sv = _mm256_set1_ps(s.get(g));
+        *fi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sv, *fi);
+    }
+}
+
+/// [`dot_nibbles`] for `M` weight rows against one `x` row (in nibble order): `x` is
+/// loaded once for all of them. Each row's arithmetic is done in the same order as
+/// [`dot_nibbles`] with one `x` row, so the results are the same bits.
+pub(super) fn dot_nibbles_rows<const M: usize>(
+    t: Token,
+    codes: [&[u8]; M],
+    lut: &[i8; 16],
+    x: &[i16],
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let len = codes.first().map_or(0, |r| r.len());
+    let fits = group > 0
+        && group.is_multiple_of(32)
+        && len.is_multiple_of(16)
+        && codes.iter().all(|r| r.len() == len)
+        && x.len() >= 2 * len;
+    if !fits {
+        return portable::dot_nibbles_rows(codes, lut, x, group, scales);
+    }
+    let _ = t;
+    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
+    unsafe {
+        match group {
+            32 => dot_nibbles_rows_imp::<M, 1>(codes, lut, x, group, scales),
+            64 => dot_nibbles_rows_imp::<M, 2>(codes, lut, x, group, scales),
+            _ => dot_nibbles_rows_imp::<M, 0>(codes, lut, x, group, scales),
+        }
+    }
+}
+
+/// One run of 16 code bytes (32 weights) of every row against `x`.
+///
+/// # Safety
+/// AVX2 present; `16 * run + 16 <= codes[m].len()` for every row and
+/// `32 * run + 32 <= x.len()`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn run_rows<const M: usize>(
+    codes: &[&[u8]; M],
+    table: __m128i,
+    x: &[i16],
+    run: usize,
+    acc: &mut [__m256i; M],
+) {
+    // SAFETY: 32 i16 from 32 * run are in range (caller)
+    let (x0, x1) = unsafe {
+        let p = x.as_ptr().add(32 * run);
+        (
+            _mm256_loadu_si256(p.cast::<__m256i>()),
+            _mm256_loadu_si256(p.add(16).cast::<__m256i>()),
+        )
+    };
+    let low = _mm_set1_epi8(0x0f);
+    for (a, r) in acc.iter_mut().zip(codes) {
+        // SAFETY: 16 bytes from 16 * run are in range (caller)
+        let b = unsafe { _mm_loadu_si128(r.as_ptr().add(16 * run).cast()) };
+        let lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(b, low)));
+        let hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+            table,
+            _mm_and_si128(_mm_srli_epi16::<4>(b), low),
+        ));
+        *a = _mm256_add_epi32(
+            *a,
+            _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)),
+        );
+    }
+}
+
+/// `R` runs a group when it is not 0 (then `group == 32 * R`).
+///
+/// # Safety
+/// AVX2 and FMA present; every row's length the same multiple of 16, `group` a multiple of
+/// 32; `x` at least twice that long.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_nibbles_rows_imp<const M: usize, const R: usize>(
+    codes: [&[u8]; M],
+    lut: &[i8; 16],
+    x: &[i16],
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let runs = codes.first().map_or(0, |r| r.len()) / 16;
+    let per_group = group / 32;
+    let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
+    // SAFETY: `lut` is 16 bytes
+    let table = unsafe { _mm_loadu_si128(lut.as_ptr().cast()) };
+    let mut f = [_mm256_setzero_ps(); M];
+    let mut start = 0;
+    let ahead = following(&codes);
+    for g in 0..groups {
+        if start >= runs {
+            break;
+        }
+        let end = (start + per_group).min(runs);
+        let mut acc = [_mm256_setzero_si256(); M];
+        if R > 0 && end - start == R {
+            for k in 0..R {
+                // the same share of the rows that follow, a cache line a run
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * (start + k)));
+                // SAFETY: start + k < end <= runs: in range of every row and of `x`
+                unsafe { run_rows(&codes, table, x, start + k, &mut acc) };
+            }
+        } else {
+            for k in start..end {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * k));
+                // SAFETY: k < runs: in range of every row and of `x`
+                unsafe { run_rows(&codes, table, x, k, &mut acc) };
+            }
+        }
+        flush_rows(&mut f, acc, &scales, g);
         start = end;
     }
     f.map(|v| hsum(v))

@@ -89,6 +89,39 @@ impl Isa {
         }
     }
 
+    /// [`Isa::dot_groups`] for `M` weight rows (stored code bytes, read as `i8`) against
+    /// one `x` row, each row with its own scales; the same bits as one row at a time.
+    fn dot_groups_rows<const M: usize>(
+        self,
+        w: [&[u8]; M],
+        x: &[i16],
+        group: usize,
+        scales: [RowScales<'_>; M],
+    ) -> [f32; M] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::dot_groups_rows(t, w, x, group, scales),
+            Self::Portable => portable::dot_groups_rows(w, x, group, scales),
+        }
+    }
+
+    /// [`Isa::dot_nibbles`] for `M` weight rows against one `x` row, each row with its own
+    /// scales; the same bits as one row at a time.
+    fn dot_nibbles_rows<const M: usize>(
+        self,
+        codes: [&[u8]; M],
+        lut: &[i8; 16],
+        x: &[i16],
+        group: usize,
+        scales: [RowScales<'_>; M],
+    ) -> [f32; M] {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2(t) => avx2::dot_nibbles_rows(t, codes, lut, x, group, scales),
+            Self::Portable => portable::dot_nibbles_rows(codes, lut, x, group, scales),
+        }
+    }
+
     /// 4-bit indices through `lut` into `out` in nibble order: for each run of 16 bytes,
     /// their 16 low nibbles, then their 16 high nibbles (a shorter last run leaves gaps).
     fn decode_nibbles(self, codes: &[u8], lut: &[i8; 16], out: &mut [i8]) {
@@ -245,44 +278,87 @@ impl IntRow {
         let rb = w.format().row_code_bytes(cols);
         let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
         let kp = self.codes.len();
+        let (group, scales, lut) = row_scales(w, r, kp);
+        (self.group, self.lut) = (group, lut);
         self.scales.clear();
-        let per_row = |s: f32, scales: &mut Vec<f32>| {
-            scales.extend(std::iter::repeat_n(s, kp.div_ceil(FLUSH)));
-        };
-        match w.format() {
-            Format::Int8 | Format::Int8Rows => {
+        self.scales.extend((0..scales.len()).map(|g| scales.get(g)));
+        match (w.format(), self.lut) {
+            (Format::Int8 | Format::Int8Rows, _) => {
                 for (o, &c) in self.codes.iter_mut().zip(codes) {
                     *o = c as i8;
                 }
-                self.group = FLUSH;
-                per_row(w.scales().get(r).copied().unwrap_or(0.0), &mut self.scales);
             }
-            Format::Nf4 => {
-                self.lut = Some(&NF4_I8);
-                if decode {
-                    isa.decode_nibbles(codes, &NF4_I8, &mut self.codes);
-                }
-                self.group = FLUSH;
-                let s = w.scales().get(r).copied().unwrap_or(0.0) / 127.0;
-                per_row(s, &mut self.scales);
-            }
-            Format::Nf4Block(g) | Format::Int4Block(g) => {
-                let nf4 = matches!(w.format(), Format::Nf4Block(_));
-                let lut = if nf4 { &NF4_I8 } else { &INT4_I8 };
-                self.lut = Some(lut);
-                if decode {
-                    isa.decode_nibbles(codes, lut, &mut self.codes);
-                }
-                self.group = g.get();
-                let ng = cols.div_ceil(g.get());
-                let s = w.scales().get(r * ng..(r + 1) * ng).unwrap_or(&[]);
-                let k = if nf4 { 1.0 / 127.0 } else { 1.0 };
-                self.scales.extend(s.iter().map(|v| v * k));
-            }
-            Format::F16 | Format::Bf16 => {}
+            (_, Some(lut)) if decode => isa.decode_nibbles(codes, lut, &mut self.codes),
+            _ => {}
         }
         // Positions past the row's codes (padding nibbles, or codes left from the previous
         // row) meet zeros in x, so they add nothing.
+    }
+}
+
+/// The scale of each group of one weight row, as the integer kernels apply it to the
+/// group's `i32` sum.
+#[derive(Debug, Clone, Copy)]
+enum RowScales<'a> {
+    /// Blockwise formats: the stored scales, each times `k` (`1 / 127` for NF4's table).
+    Groups(&'a [f32], f32),
+    /// Per-row formats: the row's one scale, for each of `n` flushes of [`FLUSH`] columns.
+    Row(f32, usize),
+}
+
+impl RowScales<'_> {
+    fn len(self) -> usize {
+        match self {
+            Self::Groups(s, _) => s.len(),
+            Self::Row(_, n) => n,
+        }
+    }
+
+    fn get(self, g: usize) -> f32 {
+        match self {
+            Self::Groups(s, k) => s.get(g).map_or(0.0, |v| v * k),
+            Self::Row(s, n) => {
+                if g < n {
+                    s
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+
+    fn to_vec(self) -> Vec<f32> {
+        (0..self.len()).map(|g| self.get(g)).collect()
+    }
+}
+
+/// Row `r` of `w` (an integer format) in the kernels' view: its group size, its scales
+/// (for per-row formats the row's scale once every [`FLUSH`] of the `kp` padded columns)
+/// and, for a 4-bit format, the table its codes index.
+#[inline]
+fn row_scales(
+    w: &Packed,
+    r: usize,
+    kp: usize,
+) -> (usize, RowScales<'_>, Option<&'static [i8; 16]>) {
+    let flushes = kp.div_ceil(FLUSH);
+    let row_scale = || w.scales().get(r).copied().unwrap_or(0.0);
+    match w.format() {
+        Format::Int8 | Format::Int8Rows => (FLUSH, RowScales::Row(row_scale(), flushes), None),
+        Format::Nf4 => (
+            FLUSH,
+            RowScales::Row(row_scale() / 127.0, flushes),
+            Some(&NF4_I8),
+        ),
+        Format::Nf4Block(g) | Format::Int4Block(g) => {
+            let nf4 = matches!(w.format(), Format::Nf4Block(_));
+            let ng = w.cols().div_ceil(g.get());
+            let s = w.scales().get(r * ng..(r + 1) * ng).unwrap_or(&[]);
+            let k = if nf4 { 1.0 / 127.0 } else { 1.0 };
+            let lut = if nf4 { &NF4_I8 } else { &INT4_I8 };
+            (g.get(), RowScales::Groups(s, k), Some(lut))
+        }
+        Format::F16 | Format::Bf16 => (FLUSH, RowScales::Row(0.0, 0), None),
     }
 }
 
@@ -301,7 +377,10 @@ impl IntRow {
 ///   (16 at a time with AVX2's `vpmaddwd`), then scaled and accumulated in f32. Up to four
 ///   rows of `x` share each decoded weight: at batch 4 or less 4-bit codes are expanded in
 ///   registers as they are read; larger batches decode each weight row once into a small
-///   reused buffer (one per thread) and run every row of `x` against it.
+///   reused buffer (one per thread) and run every row of `x` against it. A single row of
+///   `x` (generation) runs against four weight rows a call instead, reading their stored
+///   codes in place and prefetching the rows that follow; each output is the same bits
+///   as the same row inside a larger batch.
 /// - **`F16` and `Bf16`** are converted to f32 eight at a time (F16C) and multiplied in
 ///   f32: they store less, they do not compute less.
 /// - A row of `x` holding NaN or infinity is multiplied in f32 against each decoded row,
@@ -383,7 +462,48 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     };
     // a small batch reads 4-bit codes straight from the packed row (whole 16-byte runs)
     let rb = w.format().row_code_bytes(cols);
-    let fused = batch <= 4 && w.format().code_bits() == 4 && rb.is_multiple_of(16);
+    let four_bit = w.format().code_bits() == 4;
+    let fused = batch <= 4 && four_bit && rb.is_multiple_of(16);
+    // INT4's minimums: `Σ_g min_g · Σ_{j in g} x_j` added to weight row `r`'s dot with
+    // `x` row `b`
+    let with_mins = |v: f32, r: usize, b: usize| {
+        let mins = w.mins().get(r * groups..(r + 1) * groups);
+        let sums = xsums.get(b * groups..(b + 1) * groups);
+        match (mins, sums) {
+            (Some(m), Some(sx)) if asym => v + isa.dot_f32(m, sx),
+            _ => v,
+        }
+    };
+    // one row of x (generation): four weight rows at a time read the stored codes in
+    // place and share each load of x
+    if batch == 1 && (fused || (!four_bit && cols.is_multiple_of(STEP))) {
+        let (x, d) = (fx.row(0), fx.d.first().copied().unwrap_or(0.0));
+        run_tasks(
+            yt,
+            ROWS_PER_TASK,
+            w.rows() * cols,
+            || (),
+            |(), (task, out)| {
+                let first = task * ROWS_PER_TASK;
+                for (i, quad) in out.chunks_mut(4).enumerate() {
+                    let r = first + 4 * i;
+                    let dots = if quad.len() == 4 {
+                        rows_against_one::<4>(isa, w, x, fx.kp, r)
+                    } else {
+                        let mut dots = [0f32; 4];
+                        for (k, o) in dots.iter_mut().take(quad.len()).enumerate() {
+                            [*o] = rows_against_one::<1>(isa, w, x, fx.kp, r + k);
+                        }
+                        dots
+                    };
+                    for (k, (o, v)) in quad.iter_mut().zip(dots).enumerate() {
+                        *o = with_mins(v, r + k, 0) * d;
+                    }
+                }
+            },
+        );
+        return;
+    }
     run_tasks(
         yt,
         batch * ROWS_PER_TASK,
@@ -415,16 +535,8 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
                         };
                         for (k, &v) in dots.iter().take(n).enumerate() {
                             let b = b0 + k;
-                            let mut s = v;
-                            if asym {
-                                let mins = w.mins().get(r * groups..(r + 1) * groups);
-                                let sums = xsums.get(b * groups..(b + 1) * groups);
-                                if let (Some(m), Some(sx)) = (mins, sums) {
-                                    s += isa.dot_f32(m, sx);
-                                }
-                            }
                             if let (Some(o), Some(&d)) = (yr.get_mut(b), fx.d.get(b)) {
-                                *o = s * d;
+                                *o = with_mins(v, r, b) * d;
                             }
                         }
                     },
@@ -432,6 +544,32 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             }
         },
     );
+}
+
+/// Rows `first..first + M` of `w` against one fixed-point `x` row, reading the stored codes
+/// in place.
+fn rows_against_one<const M: usize>(
+    isa: Isa,
+    w: &Packed,
+    x: &[i16],
+    kp: usize,
+    first: usize,
+) -> [f32; M] {
+    let rb = w.format().row_code_bytes(w.cols());
+    let (group, _, lut) = row_scales(w, first, kp);
+    // plain loops: `array::from_fn` left these calls out of line, and their results
+    // came back through memory (a store-forwarding stall each, 7% of generation)
+    let mut scales = [RowScales::Row(0.0, 0); M];
+    let mut codes: [&[u8]; M] = [&[]; M];
+    for (m, (s, c)) in scales.iter_mut().zip(&mut codes).enumerate() {
+        let r = first + m;
+        *s = row_scales(w, r, kp).1;
+        *c = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+    }
+    match lut {
+        Some(t) => isa.dot_nibbles_rows(codes, t, x, group, scales),
+        None => isa.dot_groups_rows(codes, x, group, scales),
+    }
 }
 
 /// Multiply-adds below which a call stays on the calling thread: waking the pool costs

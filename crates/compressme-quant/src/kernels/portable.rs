@@ -71,3 +71,31 @@ pub(super) fn dot_nibbles<const N: usize>(
 pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     super::dot(a, b)
 }
+
+/// [`dot_groups`] for several weight rows (codes as stored bytes) against one `x` row.
+pub(super) fn dot_groups_rows<const M: usize>(
+    w: [&[u8]; M],
+    x: &[i16],
+    group: usize,
+    scales: [super::RowScales<'_>; M],
+) -> [f32; M] {
+    std::array::from_fn(|m| {
+        let row: Vec<i8> = w[m].iter().map(|&c| c as i8).collect();
+        let [v] = dot_groups(&row, [x], group, &scales[m].to_vec());
+        v
+    })
+}
+
+/// [`dot_nibbles`] for several weight rows against one `x` row.
+pub(super) fn dot_nibbles_rows<const M: usize>(
+    codes: [&[u8]; M],
+    lut: &[i8; 16],
+    x: &[i16],
+    group: usize,
+    scales: [super::RowScales<'_>; M],
+) -> [f32; M] {
+    std::array::from_fn(|m| {
+        let [v] = dot_nibbles(codes[m], lut, [x], group, &scales[m].to_vec());
+        v
+    })
+}

@@ -101,6 +101,26 @@ proptest! {
         }
     }
 
+    /// One row of activations (generation: four weight rows a kernel call, codes read in
+    /// place) gives the same bits as that row inside a larger batch (one weight row at a
+    /// time against up to four `x` rows), on every backend: the same integer sums, flushed
+    /// and summed in the same order.
+    #[test]
+    fn one_row_gives_the_bits_of_that_row_in_a_batch(
+        (format, _, cols, seed) in case(),
+        rows in 1usize..=41,
+        batch in 2usize..=6,
+    ) {
+        let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
+        let x = weights(batch, cols, seed ^ 0xdef);
+        for backend in [Backend::Auto, Backend::Portable] {
+            let all = matmul_with(backend, &x, batch, &q).unwrap();
+            let one = matmul_with(backend, &x[..cols], 1, &q).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&one), bits(&all[..rows]), "{:?} {:?}", format, backend);
+        }
+    }
+
     /// Packed buffers from arbitrary bytes are refused or decode without a panic.
     #[test]
     fn decode_never_panics(
