@@ -14,7 +14,7 @@ use std::arch::x86_64::{
     _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32,
 };
 
-use super::{RowScales, STEP, portable};
+use super::{RowScales, RowsView, STEP, portable};
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 
 /// Proof that the CPU has AVX2, FMA and F16C.
@@ -237,34 +237,91 @@ unsafe fn dot_nibbles_imp<const N: usize, const R: usize>(
     f.map(|v| hsum(v))
 }
 
-/// [`dot_groups`] for `M` weight rows (codes as stored bytes, read as `i8`) against one
-/// `x` row: `x` is loaded once for all of them. Each row's sums, flushes and final
-/// horizontal sum are done in the same order as [`dot_groups`] with one `x` row, so the
-/// results are the same bits.
-pub(super) fn dot_groups_rows<const M: usize>(
-    t: Token,
-    w: [&[u8]; M],
-    x: &[i16],
-    group: usize,
-    scales: [RowScales<'_>; M],
-) -> [f32; M] {
-    let kp = w.first().map_or(0, |r| r.len());
+/// Rows `first..first + out.len()` of an integer matrix against one `x` row (the raw
+/// dots: scales applied, the minimums and `x`'s step not), four rows a call to the inner
+/// loop, which loads `x` once for all four. Each row's sums, flushes and final horizontal
+/// sum are done in the same order as [`dot_groups`] and [`dot_nibbles`] with one `x` row,
+/// so the results are the same bits. The loop over the rows runs inside the AVX2 code,
+/// so the per-row bookkeeping is inlined with it.
+pub(super) fn dot_rows(t: Token, v: &RowsView<'_>, first: usize, x: &[i16], out: &mut [f32]) {
+    let (rb, group) = (v.row_bytes(), v.group());
+    let weights = if v.lut().is_some() { 2 * rb } else { rb };
+    let unit = if v.lut().is_some() { 32 } else { STEP };
     let fits = group > 0
-        && group.is_multiple_of(STEP)
-        && kp.is_multiple_of(STEP)
-        && w.iter().all(|r| r.len() == kp)
-        && x.len() >= kp;
+        && group.is_multiple_of(unit)
+        && rb.is_multiple_of(16)
+        && x.len() >= weights
+        && first
+            .checked_add(out.len())
+            .and_then(|end| end.checked_mul(rb))
+            .is_some_and(|end| end <= v.codes().len());
     if !fits {
-        return portable::dot_groups_rows(w, x, group, scales);
+        return portable::dot_rows(v, first, x, out);
     }
     let _ = t;
-    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
+    // SAFETY: the token proves AVX2 and FMA; `fits` checked that every row asked for is
+    // `rb` bytes of codes (a multiple of 16) and that `x` covers a row's weights.
     unsafe {
-        match group {
-            32 => dot_groups_rows_imp::<M, 2>(w, x, group, scales),
-            64 => dot_groups_rows_imp::<M, 4>(w, x, group, scales),
-            128 => dot_groups_rows_imp::<M, 8>(w, x, group, scales),
-            _ => dot_groups_rows_imp::<M, 0>(w, x, group, scales),
+        match (v.lut(), group) {
+            (Some(_), 32) => dot_rows_imp::<1, 0>(v, first, x, out),
+            (Some(_), 64) => dot_rows_imp::<2, 0>(v, first, x, out),
+            (Some(_), _) => dot_rows_imp::<0, 0>(v, first, x, out),
+            (None, 32) => dot_rows_imp::<0, 2>(v, first, x, out),
+            (None, 64) => dot_rows_imp::<0, 4>(v, first, x, out),
+            (None, 128) => dot_rows_imp::<0, 8>(v, first, x, out),
+            (None, _) => dot_rows_imp::<0, 0>(v, first, x, out),
+        }
+    }
+}
+
+/// [`dot_rows`] with the trip counts fixed: `R` runs a group for 4-bit codes, `G` steps a
+/// group for 8-bit ones (0: counted at run time).
+///
+/// # Safety
+/// AVX2 and FMA present; every row from `first` to `first + out.len()` is a whole
+/// `v.row_bytes()` of codes, a multiple of 16; `x` covers a row's weights (twice the
+/// code bytes for 4-bit codes).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_rows_imp<const R: usize, const G: usize>(
+    v: &RowsView<'_>,
+    first: usize,
+    x: &[i16],
+    out: &mut [f32],
+) {
+    let group = v.group();
+    for (i, quad) in out.chunks_mut(4).enumerate() {
+        let r = first + 4 * i;
+        if let Ok(quad) = <&mut [f32; 4]>::try_from(&mut *quad) {
+            let codes = [
+                v.codes_of(r),
+                v.codes_of(r + 1),
+                v.codes_of(r + 2),
+                v.codes_of(r + 3),
+            ];
+            let scales = [
+                v.scales_of(r),
+                v.scales_of(r + 1),
+                v.scales_of(r + 2),
+                v.scales_of(r + 3),
+            ];
+            // SAFETY: the caller's guarantees, passed on
+            *quad = unsafe {
+                match v.lut() {
+                    Some(lut) => dot_nibbles_rows_imp::<4, R>(codes, lut, x, group, scales),
+                    None => dot_groups_rows_imp::<4, G>(codes, x, group, scales),
+                }
+            };
+        } else {
+            for (k, o) in quad.iter_mut().enumerate() {
+                let (codes, scales) = ([v.codes_of(r + k)], [v.scales_of(r + k)]);
+                // SAFETY: the caller's guarantees, passed on
+                [*o] = unsafe {
+                    match v.lut() {
+                        Some(lut) => dot_nibbles_rows_imp::<1, R>(codes, lut, x, group, scales),
+                        None => dot_groups_rows_imp::<1, G>(codes, x, group, scales),
+                    }
+                };
+            }
         }
     }
 }
@@ -288,16 +345,17 @@ unsafe fn step_rows<const M: usize>(w: &[&[u8]; M], x: &[i16], c: usize, acc: &m
 /// `G` steps a group when it is not 0 (then `group == 16 * G`).
 ///
 /// # Safety
-/// AVX2 and FMA present; every row's length the same multiple of 16, `group` a multiple of
-/// 16; `x` at least that long.
+/// AVX2 and FMA present; the shortest row's length a multiple of 16, `group` a multiple
+/// of 16; `x` at least that long.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
     w: [&[u8]; M],
     x: &[i16],
     group: usize,
     scales: [RowScales<'_>; M],
 ) -> [f32; M] {
-    let kp = w.first().map_or(0, |r| r.len());
+    let kp = w.iter().map(|r| r.len()).min().unwrap_or(0);
     let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
     let ahead = following(&w);
     let mut f = [_mm256_setzero_ps(); M];
@@ -357,37 +415,6 @@ fn flush_rows<const M: usize>(
     }
 }
 
-/// [`dot_nibbles`] for `M` weight rows against one `x` row (in nibble order): `x` is
-/// loaded once for all of them. Each row's arithmetic is done in the same order as
-/// [`dot_nibbles`] with one `x` row, so the results are the same bits.
-pub(super) fn dot_nibbles_rows<const M: usize>(
-    t: Token,
-    codes: [&[u8]; M],
-    lut: &[i8; 16],
-    x: &[i16],
-    group: usize,
-    scales: [RowScales<'_>; M],
-) -> [f32; M] {
-    let len = codes.first().map_or(0, |r| r.len());
-    let fits = group > 0
-        && group.is_multiple_of(32)
-        && len.is_multiple_of(16)
-        && codes.iter().all(|r| r.len() == len)
-        && x.len() >= 2 * len;
-    if !fits {
-        return portable::dot_nibbles_rows(codes, lut, x, group, scales);
-    }
-    let _ = t;
-    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
-    unsafe {
-        match group {
-            32 => dot_nibbles_rows_imp::<M, 1>(codes, lut, x, group, scales),
-            64 => dot_nibbles_rows_imp::<M, 2>(codes, lut, x, group, scales),
-            _ => dot_nibbles_rows_imp::<M, 0>(codes, lut, x, group, scales),
-        }
-    }
-}
-
 /// One run of 16 code bytes (32 weights) of every row against `x`.
 ///
 /// # Safety
@@ -429,9 +456,10 @@ unsafe fn run_rows<const M: usize>(
 /// `R` runs a group when it is not 0 (then `group == 32 * R`).
 ///
 /// # Safety
-/// AVX2 and FMA present; every row's length the same multiple of 16, `group` a multiple of
-/// 32; `x` at least twice that long.
+/// AVX2 and FMA present; `group` a multiple of 32; `x` at least twice as long as the
+/// shortest row rounded down to 16 bytes.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn dot_nibbles_rows_imp<const M: usize, const R: usize>(
     codes: [&[u8]; M],
     lut: &[i8; 16],
@@ -439,7 +467,7 @@ unsafe fn dot_nibbles_rows_imp<const M: usize, const R: usize>(
     group: usize,
     scales: [RowScales<'_>; M],
 ) -> [f32; M] {
-    let runs = codes.first().map_or(0, |r| r.len()) / 16;
+    let runs = codes.iter().map(|r| r.len()).min().unwrap_or(0) / 16;
     let per_group = group / 32;
     let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
     // SAFETY: `lut` is 16 bytes

@@ -89,36 +89,14 @@ impl Isa {
         }
     }
 
-    /// [`Isa::dot_groups`] for `M` weight rows (stored code bytes, read as `i8`) against
-    /// one `x` row, each row with its own scales; the same bits as one row at a time.
-    fn dot_groups_rows<const M: usize>(
-        self,
-        w: [&[u8]; M],
-        x: &[i16],
-        group: usize,
-        scales: [RowScales<'_>; M],
-    ) -> [f32; M] {
+    /// Rows `first..first + out.len()` of an integer matrix against one fixed-point `x`
+    /// row, reading the stored codes in place: each the same bits as [`Isa::dot_groups`]
+    /// or [`Isa::dot_nibbles`] gives for that row.
+    fn dot_rows(self, v: &RowsView<'_>, first: usize, x: &[i16], out: &mut [f32]) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2(t) => avx2::dot_groups_rows(t, w, x, group, scales),
-            Self::Portable => portable::dot_groups_rows(w, x, group, scales),
-        }
-    }
-
-    /// [`Isa::dot_nibbles`] for `M` weight rows against one `x` row, each row with its own
-    /// scales; the same bits as one row at a time.
-    fn dot_nibbles_rows<const M: usize>(
-        self,
-        codes: [&[u8]; M],
-        lut: &[i8; 16],
-        x: &[i16],
-        group: usize,
-        scales: [RowScales<'_>; M],
-    ) -> [f32; M] {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2(t) => avx2::dot_nibbles_rows(t, codes, lut, x, group, scales),
-            Self::Portable => portable::dot_nibbles_rows(codes, lut, x, group, scales),
+            Self::Avx2(t) => avx2::dot_rows(t, v, first, x, out),
+            Self::Portable => portable::dot_rows(v, first, x, out),
         }
     }
 
@@ -278,8 +256,9 @@ impl IntRow {
         let rb = w.format().row_code_bytes(cols);
         let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
         let kp = self.codes.len();
-        let (group, scales, lut) = row_scales(w, r, kp);
-        (self.group, self.lut) = (group, lut);
+        let v = RowsView::new(w, kp);
+        let scales = v.scales_of(r);
+        (self.group, self.lut) = (v.group(), v.lut());
         self.scales.clear();
         self.scales.extend((0..scales.len()).map(|g| scales.get(g)));
         match (w.format(), self.lut) {
@@ -332,33 +311,114 @@ impl RowScales<'_> {
     }
 }
 
-/// Row `r` of `w` (an integer format) in the kernels' view: its group size, its scales
-/// (for per-row formats the row's scale once every [`FLUSH`] of the `kp` padded columns)
-/// and, for a 4-bit format, the table its codes index.
-#[inline]
-fn row_scales(
-    w: &Packed,
-    r: usize,
-    kp: usize,
-) -> (usize, RowScales<'_>, Option<&'static [i8; 16]>) {
-    let flushes = kp.div_ceil(FLUSH);
-    let row_scale = || w.scales().get(r).copied().unwrap_or(0.0);
-    match w.format() {
-        Format::Int8 | Format::Int8Rows => (FLUSH, RowScales::Row(row_scale(), flushes), None),
-        Format::Nf4 => (
-            FLUSH,
-            RowScales::Row(row_scale() / 127.0, flushes),
-            Some(&NF4_I8),
-        ),
-        Format::Nf4Block(g) | Format::Int4Block(g) => {
-            let nf4 = matches!(w.format(), Format::Nf4Block(_));
-            let ng = w.cols().div_ceil(g.get());
-            let s = w.scales().get(r * ng..(r + 1) * ng).unwrap_or(&[]);
-            let k = if nf4 { 1.0 / 127.0 } else { 1.0 };
-            let lut = if nf4 { &NF4_I8 } else { &INT4_I8 };
-            (g.get(), RowScales::Groups(s, k), Some(lut))
+/// An integer matrix in the kernels' view, worked out once a product: each row's stored
+/// codes and scales, the group size and, for a 4-bit format, the table its codes index.
+#[derive(Debug, Clone, Copy)]
+struct RowsView<'a> {
+    codes: &'a [u8],
+    scales: &'a [f32],
+    row_bytes: usize,
+    group: usize,
+    lut: Option<&'static [i8; 16]>,
+    rule: ScaleRule,
+}
+
+/// How a row's scales come from the stored ones.
+#[derive(Debug, Clone, Copy)]
+enum ScaleRule {
+    /// `per_row` stored scales a row, each times `k`.
+    Groups { per_row: usize, k: f32 },
+    /// One stored scale a row, divided by `div`, for each of `flushes` flushes (per-row
+    /// formats sum [`FLUSH`] columns at a time).
+    Row { div: f32, flushes: usize },
+}
+
+impl<'a> RowsView<'a> {
+    /// `w` (an integer format) with rows of `kp` padded columns.
+    fn new(w: &'a Packed, kp: usize) -> Self {
+        let flushes = kp.div_ceil(FLUSH);
+        let (group, lut, rule) = match w.format() {
+            Format::Nf4Block(g) => (
+                g.get(),
+                Some(&NF4_I8),
+                ScaleRule::Groups {
+                    per_row: w.cols().div_ceil(g.get()),
+                    k: 1.0 / 127.0,
+                },
+            ),
+            Format::Int4Block(g) => (
+                g.get(),
+                Some(&INT4_I8),
+                ScaleRule::Groups {
+                    per_row: w.cols().div_ceil(g.get()),
+                    k: 1.0,
+                },
+            ),
+            Format::Nf4 => (
+                FLUSH,
+                Some(&NF4_I8),
+                ScaleRule::Row {
+                    div: 127.0,
+                    flushes,
+                },
+            ),
+            Format::Int8 | Format::Int8Rows => (FLUSH, None, ScaleRule::Row { div: 1.0, flushes }),
+            Format::F16 | Format::Bf16 => (
+                FLUSH,
+                None,
+                ScaleRule::Row {
+                    div: 1.0,
+                    flushes: 0,
+                },
+            ),
+        };
+        Self {
+            codes: w.codes(),
+            scales: w.scales(),
+            row_bytes: w.format().row_code_bytes(w.cols()),
+            group,
+            lut,
+            rule,
         }
-        Format::F16 | Format::Bf16 => (FLUSH, RowScales::Row(0.0, 0), None),
+    }
+
+    fn codes(&self) -> &'a [u8] {
+        self.codes
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    fn group(&self) -> usize {
+        self.group
+    }
+
+    fn lut(&self) -> Option<&'static [i8; 16]> {
+        self.lut
+    }
+
+    /// Row `r`'s codes (empty past the end).
+    #[inline]
+    fn codes_of(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes;
+        self.codes.get(r * rb..(r + 1) * rb).unwrap_or(&[])
+    }
+
+    /// Row `r`'s scales.
+    #[inline]
+    fn scales_of(&self, r: usize) -> RowScales<'a> {
+        match self.rule {
+            ScaleRule::Groups { per_row, k } => RowScales::Groups(
+                self.scales
+                    .get(r * per_row..(r + 1) * per_row)
+                    .unwrap_or(&[]),
+                k,
+            ),
+            ScaleRule::Row { div, flushes } => {
+                RowScales::Row(self.scales.get(r).copied().unwrap_or(0.0) / div, flushes)
+            }
+        }
     }
 }
 
@@ -423,6 +483,10 @@ pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Res
         (_, Some(fx)) => int_rows(isa, &fx, batch, w, &mut yt),
         (_, None) => f32_rows(x, batch, w, &mut yt),
     }
+    if batch == 1 {
+        // [rows, 1] is already [1, rows]
+        return Ok(yt);
+    }
     let mut y = vec![0f32; batch * rows];
     for (r, col) in yt.chunks_exact(batch).enumerate() {
         for (b, &v) in col.iter().enumerate() {
@@ -478,6 +542,7 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     // place and share each load of x
     if batch == 1 && (fused || (!four_bit && cols.is_multiple_of(STEP))) {
         let (x, d) = (fx.row(0), fx.d.first().copied().unwrap_or(0.0));
+        let view = RowsView::new(w, fx.kp);
         run_tasks(
             yt,
             ROWS_PER_TASK,
@@ -485,20 +550,9 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             || (),
             |(), (task, out)| {
                 let first = task * ROWS_PER_TASK;
-                for (i, quad) in out.chunks_mut(4).enumerate() {
-                    let r = first + 4 * i;
-                    let dots = if quad.len() == 4 {
-                        rows_against_one::<4>(isa, w, x, fx.kp, r)
-                    } else {
-                        let mut dots = [0f32; 4];
-                        for (k, o) in dots.iter_mut().take(quad.len()).enumerate() {
-                            [*o] = rows_against_one::<1>(isa, w, x, fx.kp, r + k);
-                        }
-                        dots
-                    };
-                    for (k, (o, v)) in quad.iter_mut().zip(dots).enumerate() {
-                        *o = with_mins(v, r + k, 0) * d;
-                    }
+                isa.dot_rows(&view, first, x, out);
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = with_mins(*o, first + k, 0) * d;
                 }
             },
         );
@@ -544,32 +598,6 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             }
         },
     );
-}
-
-/// Rows `first..first + M` of `w` against one fixed-point `x` row, reading the stored codes
-/// in place.
-fn rows_against_one<const M: usize>(
-    isa: Isa,
-    w: &Packed,
-    x: &[i16],
-    kp: usize,
-    first: usize,
-) -> [f32; M] {
-    let rb = w.format().row_code_bytes(w.cols());
-    let (group, _, lut) = row_scales(w, first, kp);
-    // plain loops: `array::from_fn` left these calls out of line, and their results
-    // came back through memory (a store-forwarding stall each, 7% of generation)
-    let mut scales = [RowScales::Row(0.0, 0); M];
-    let mut codes: [&[u8]; M] = [&[]; M];
-    for (m, (s, c)) in scales.iter_mut().zip(&mut codes).enumerate() {
-        let r = first + m;
-        *s = row_scales(w, r, kp).1;
-        *c = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
-    }
-    match lut {
-        Some(t) => isa.dot_nibbles_rows(codes, t, x, group, scales),
-        None => isa.dot_groups_rows(codes, x, group, scales),
-    }
 }
 
 /// Multiply-adds below which a call stays on the calling thread: waking the pool costs

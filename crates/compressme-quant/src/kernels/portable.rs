@@ -72,30 +72,17 @@ pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     super::dot(a, b)
 }
 
-/// [`dot_groups`] for several weight rows (codes as stored bytes) against one `x` row.
-pub(super) fn dot_groups_rows<const M: usize>(
-    w: [&[u8]; M],
-    x: &[i16],
-    group: usize,
-    scales: [super::RowScales<'_>; M],
-) -> [f32; M] {
-    std::array::from_fn(|m| {
-        let row: Vec<i8> = w[m].iter().map(|&c| c as i8).collect();
-        let [v] = dot_groups(&row, [x], group, &scales[m].to_vec());
-        v
-    })
-}
-
-/// [`dot_nibbles`] for several weight rows against one `x` row.
-pub(super) fn dot_nibbles_rows<const M: usize>(
-    codes: [&[u8]; M],
-    lut: &[i8; 16],
-    x: &[i16],
-    group: usize,
-    scales: [super::RowScales<'_>; M],
-) -> [f32; M] {
-    std::array::from_fn(|m| {
-        let [v] = dot_nibbles(codes[m], lut, [x], group, &scales[m].to_vec());
-        v
-    })
+/// Rows `first..first + out.len()` of an integer matrix against one `x` row, one at a
+/// time.
+pub(super) fn dot_rows(v: &super::RowsView<'_>, first: usize, x: &[i16], out: &mut [f32]) {
+    for (k, o) in out.iter_mut().enumerate() {
+        let (codes, scales) = (v.codes_of(first + k), v.scales_of(first + k).to_vec());
+        [*o] = match v.lut() {
+            Some(lut) => dot_nibbles(codes, lut, [x], v.group(), &scales),
+            None => {
+                let row: Vec<i8> = codes.iter().map(|&c| c as i8).collect();
+                dot_groups(&row, [x], v.group(), &scales)
+            }
+        };
+    }
 }
