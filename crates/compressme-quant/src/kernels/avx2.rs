@@ -244,9 +244,9 @@ unsafe fn dot_nibbles_imp<const N: usize, const R: usize>(
 /// so the results are the same bits. The loop over the rows runs inside the AVX2 code,
 /// so the per-row bookkeeping is inlined with it.
 pub(super) fn dot_rows(t: Token, v: &RowsView<'_>, first: usize, x: &[i16], out: &mut [f32]) {
-    let (rb, group) = (v.row_bytes(), v.group());
-    let weights = if v.lut().is_some() { 2 * rb } else { rb };
-    let unit = if v.lut().is_some() { 32 } else { STEP };
+    let (rb, group) = (v.row_bytes, v.group);
+    let weights = if v.lut.is_some() { 2 * rb } else { rb };
+    let unit = if v.lut.is_some() { 32 } else { STEP };
     let fits = group > 0
         && group.is_multiple_of(unit)
         && rb.is_multiple_of(16)
@@ -254,7 +254,7 @@ pub(super) fn dot_rows(t: Token, v: &RowsView<'_>, first: usize, x: &[i16], out:
         && first
             .checked_add(out.len())
             .and_then(|end| end.checked_mul(rb))
-            .is_some_and(|end| end <= v.codes().len());
+            .is_some_and(|end| end <= v.codes.len());
     if !fits {
         return portable::dot_rows(v, first, x, out);
     }
@@ -262,7 +262,7 @@ pub(super) fn dot_rows(t: Token, v: &RowsView<'_>, first: usize, x: &[i16], out:
     // SAFETY: the token proves AVX2 and FMA; `fits` checked that every row asked for is
     // `rb` bytes of codes (a multiple of 16) and that `x` covers a row's weights.
     unsafe {
-        match (v.lut(), group) {
+        match (v.lut, group) {
             (Some(_), 32) => dot_rows_imp::<1, 0>(v, first, x, out),
             (Some(_), 64) => dot_rows_imp::<2, 0>(v, first, x, out),
             (Some(_), _) => dot_rows_imp::<0, 0>(v, first, x, out),
@@ -279,7 +279,7 @@ pub(super) fn dot_rows(t: Token, v: &RowsView<'_>, first: usize, x: &[i16], out:
 ///
 /// # Safety
 /// AVX2 and FMA present; every row from `first` to `first + out.len()` is a whole
-/// `v.row_bytes()` of codes, a multiple of 16; `x` covers a row's weights (twice the
+/// `v.row_bytes` of codes, a multiple of 16; `x` covers a row's weights (twice the
 /// code bytes for 4-bit codes).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_rows_imp<const R: usize, const G: usize>(
@@ -288,7 +288,7 @@ unsafe fn dot_rows_imp<const R: usize, const G: usize>(
     x: &[i16],
     out: &mut [f32],
 ) {
-    let group = v.group();
+    let group = v.group;
     for (i, quad) in out.chunks_mut(4).enumerate() {
         let r = first + 4 * i;
         if let Ok(quad) = <&mut [f32; 4]>::try_from(&mut *quad) {
@@ -306,7 +306,7 @@ unsafe fn dot_rows_imp<const R: usize, const G: usize>(
             ];
             // SAFETY: the caller's guarantees, passed on
             *quad = unsafe {
-                match v.lut() {
+                match v.lut {
                     Some(lut) => dot_nibbles_rows_imp::<4, R>(codes, lut, x, group, scales),
                     None => dot_groups_rows_imp::<4, G>(codes, x, group, scales),
                 }
@@ -316,7 +316,7 @@ unsafe fn dot_rows_imp<const R: usize, const G: usize>(
                 let (codes, scales) = ([v.codes_of(r + k)], [v.scales_of(r + k)]);
                 // SAFETY: the caller's guarantees, passed on
                 [*o] = unsafe {
-                    match v.lut() {
+                    match v.lut {
                         Some(lut) => dot_nibbles_rows_imp::<1, R>(codes, lut, x, group, scales),
                         None => dot_groups_rows_imp::<1, G>(codes, x, group, scales),
                     }

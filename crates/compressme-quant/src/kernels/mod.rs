@@ -258,9 +258,9 @@ impl IntRow {
         let kp = self.codes.len();
         let v = RowsView::new(w, kp);
         let scales = v.scales_of(r);
-        (self.group, self.lut) = (v.group(), v.lut());
+        (self.group, self.lut) = (v.group, v.lut);
         self.scales.clear();
-        self.scales.extend((0..scales.len()).map(|g| scales.get(g)));
+        self.scales.extend(scales.values());
         match (w.format(), self.lut) {
             (Format::Int8 | Format::Int8Rows, _) => {
                 for (o, &c) in self.codes.iter_mut().zip(codes) {
@@ -306,8 +306,9 @@ impl RowScales<'_> {
         }
     }
 
-    fn to_vec(self) -> Vec<f32> {
-        (0..self.len()).map(|g| self.get(g)).collect()
+    /// Every group's scale, in order.
+    fn values(self) -> impl Iterator<Item = f32> {
+        (0..self.len()).map(move |g| self.get(g))
     }
 }
 
@@ -380,22 +381,6 @@ impl<'a> RowsView<'a> {
             lut,
             rule,
         }
-    }
-
-    fn codes(&self) -> &'a [u8] {
-        self.codes
-    }
-
-    fn row_bytes(&self) -> usize {
-        self.row_bytes
-    }
-
-    fn group(&self) -> usize {
-        self.group
-    }
-
-    fn lut(&self) -> Option<&'static [i8; 16]> {
-        self.lut
     }
 
     /// Row `r`'s codes (empty past the end).

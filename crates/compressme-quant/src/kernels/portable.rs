@@ -76,12 +76,15 @@ pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// time.
 pub(super) fn dot_rows(v: &super::RowsView<'_>, first: usize, x: &[i16], out: &mut [f32]) {
     for (k, o) in out.iter_mut().enumerate() {
-        let (codes, scales) = (v.codes_of(first + k), v.scales_of(first + k).to_vec());
-        [*o] = match v.lut() {
-            Some(lut) => dot_nibbles(codes, lut, [x], v.group(), &scales),
+        let (codes, scales) = (
+            v.codes_of(first + k),
+            v.scales_of(first + k).values().collect::<Vec<_>>(),
+        );
+        [*o] = match v.lut {
+            Some(lut) => dot_nibbles(codes, lut, [x], v.group, &scales),
             None => {
                 let row: Vec<i8> = codes.iter().map(|&c| c as i8).collect();
-                dot_groups(&row, [x], v.group(), &scales)
+                dot_groups(&row, [x], v.group, &scales)
             }
         };
     }
