@@ -379,13 +379,14 @@ fn spec_check(args: &[String]) -> Result<(), String> {
         }
         run(&mut cmd)
     };
-    let cases: [&[&str]; 6] = [
+    let cases: [&[&str]; 7] = [
         &["--lossless"],
         &["--lossless", "--row-index"],
         &["--lossless", "--zstd-level", "3"],
         &["--lossless", "--format", "nf4-g32", "--keep", "embeddings"],
         &["--format", "int4-g64"],
         &["--format", "int8", "--keep", "query"],
+        &["--format", "int8-g32"],
     ];
     for (i, case) in cases.iter().enumerate() {
         let art = work.join(format!("case{i}.cma"));
@@ -415,6 +416,8 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             }
         }
     }
+    // a format added within version 2, frozen as first written
+    decode(&root.join("fixtures/artifact/v2/int8_g32.cma"), None)?;
     std::fs::remove_dir_all(&work).map_err(|e| e.to_string())?;
     println!("spec check: decode.py agrees with the Rust reader on every storage kind");
     Ok(())

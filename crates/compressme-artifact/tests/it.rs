@@ -432,6 +432,108 @@ fn frozen_v2_fixtures() {
     );
 }
 
+/// The `int8-gG` formats (added to version 2 in stop 22): an f32 matrix whose rows end in a
+/// short group, and a bf16 one, both at groups of 32.
+fn write_int8_block_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    let finite = |mut b: Vec<u8>| {
+        for c in b.chunks_exact_mut(4) {
+            if !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite() {
+                c.copy_from_slice(&0.25f32.to_le_bytes());
+            }
+        }
+        b
+    };
+    let tensors = vec![
+        (
+            "a.weight".to_string(),
+            Dtype::F32,
+            vec![7, 40],
+            finite(weights(7 * 40, 11)),
+        ),
+        (
+            "b.weight".to_string(),
+            Dtype::Bf16,
+            vec![5, 64],
+            bf16(&finite(weights(5 * 64, 12))),
+        ),
+    ];
+    let mut w = Writer::create(path).unwrap();
+    for (name, dtype, shape, bytes) in &tensors {
+        w.add_quantized(
+            name,
+            *dtype,
+            shape,
+            bytes,
+            Format::Int8Block(GroupSize::G32),
+        )
+        .unwrap();
+    }
+    w.finish().unwrap();
+    tensors
+}
+
+/// `int8-g32` as first written stays readable forever, and today's writer still writes it
+/// the same recipe and payloads. Regenerate only with `COMPRESSME_BLESS=1` when the file is missing.
+#[test]
+fn frozen_int8_block_fixture() {
+    let frozen = fixture_dir(2).join("int8_g32.cma");
+    if std::env::var_os("COMPRESSME_BLESS").is_some() && !frozen.exists() {
+        write_int8_block_sample(&frozen);
+    }
+    let fresh = tmp("int8-block").join("fresh.cma");
+    let tensors = write_int8_block_sample(&fresh);
+    let a = Artifact::open(&frozen, &Limits::default()).unwrap();
+    let s = a.verify().unwrap();
+    assert_eq!((s.tensors, s.quantized), (2, 2));
+    // the recipe seals each payload's digest: equal recipes, equal payloads
+    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
+    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
+    r1.tool.clone_from(&r2.tool);
+    assert_eq!(
+        r1, r2,
+        "writer output changed: a format change needs a new version"
+    );
+    assert_eq!(a.entries(), today.entries());
+    for (name, dtype, shape, bytes) in &tensors {
+        let t = a.recipe().tensors.iter().find(|t| &t.name == name).unwrap();
+        assert_eq!(t.shape, *shape);
+        assert!(
+            matches!(&t.storage, compressme_artifact::StorageRecipe::Quant { format, .. } if format == "int8-g32"),
+            "{:?}",
+            t.storage
+        );
+        let (got, exact) = a.read_tensor(name).unwrap();
+        assert!(!exact);
+        // within half a step of each group's scale (absmax / 127), bf16's rounding aside
+        let f = |b: &[u8]| -> Vec<f32> {
+            match dtype {
+                Dtype::F32 => b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                _ => b
+                    .chunks_exact(2)
+                    .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                    .collect(),
+            }
+        };
+        let (want, got) = (f(bytes), f(&got));
+        let cols = shape[1];
+        for (r, (wr, gr)) in want.chunks(cols).zip(got.chunks(cols)).enumerate() {
+            for (wg, gg) in wr.chunks(32).zip(gr.chunks(32)) {
+                let step = wg.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                for (w, g) in wg.iter().zip(gg) {
+                    assert!(
+                        (w - g).abs() <= step * 0.51 + w.abs() / 128.0,
+                        "{name} row {r}: {w} -> {g}"
+                    );
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
+}
+
 /// A sharded checkpoint is read through its index JSON, from the folder or the index.
 #[test]
 fn sharded_checkpoints_read_through_their_index() {

@@ -371,6 +371,13 @@ pub fn run_real(
             uniform(Format::Int8),
             None,
         ),
+        Planned::ours(
+            "int8-g32",
+            "every linear INT8 with an f16 scale per 32 weights (Q8_0's layout and 8.5 bits; the tied embedding/head included)".into(),
+            false,
+            uniform(Format::Int8Block(GroupSize::G32)),
+            None,
+        ),
         Planned {
             name: "nf4-g64".into(),
             description: "every linear blockwise NF4, groups of 64, absmax scales".into(),
@@ -652,6 +659,11 @@ pub fn run_real(
         "candle-q8_0",
         "int8",
         "INT8 per row vs candle Q8_0".into(),
+    ));
+    questions.push(q(
+        "candle-q8_0",
+        "int8-g32",
+        "INT8-g32 vs candle Q8_0 (the same layout and bytes)".into(),
     ));
     for &bpw in &cfg.budgets_bpw {
         questions.push(q(

@@ -79,11 +79,14 @@ pub enum Format {
     Int4Block(GroupSize),
     /// INT8 rows for embedding tables: as `Int8`, and an all-zero row stays exactly zero.
     Int8Rows,
+    /// Symmetric INT8 with one f16 scale (absmax / 127) per group: llama.cpp's Q8_0 at
+    /// groups of 32 (8.5 bits a weight). Codes as `Int8`, scales as `Nf4Block`.
+    Int8Block(GroupSize),
 }
 
 impl Format {
     /// Every format, every group size.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 13] = [
         Self::F16,
         Self::Bf16,
         Self::Int8,
@@ -94,6 +97,9 @@ impl Format {
         Self::Int4Block(GroupSize::G32),
         Self::Int4Block(GroupSize::G64),
         Self::Int4Block(GroupSize::G128),
+        Self::Int8Block(GroupSize::G32),
+        Self::Int8Block(GroupSize::G64),
+        Self::Int8Block(GroupSize::G128),
     ];
 
     /// Wire tag of the format (the group size is a separate field).
@@ -107,6 +113,7 @@ impl Format {
             Self::Nf4Block(_) => 5,
             Self::Int4Block(_) => 6,
             Self::Int8Rows => 7,
+            Self::Int8Block(_) => 8,
         }
     }
 
@@ -114,7 +121,7 @@ impl Format {
     #[must_use]
     pub const fn group(self) -> Option<usize> {
         match self {
-            Self::Nf4Block(g) | Self::Int4Block(g) => Some(g.get()),
+            Self::Nf4Block(g) | Self::Int4Block(g) | Self::Int8Block(g) => Some(g.get()),
             _ => None,
         }
     }
@@ -124,7 +131,7 @@ impl Format {
     pub const fn code_bits(self) -> usize {
         match self {
             Self::F16 | Self::Bf16 => 16,
-            Self::Int8 | Self::Int8Rows => 8,
+            Self::Int8 | Self::Int8Rows | Self::Int8Block(_) => 8,
             Self::Nf4 | Self::Nf4Block(_) | Self::Int4Block(_) => 4,
         }
     }
@@ -142,7 +149,7 @@ impl Format {
         match self {
             Self::F16 | Self::Bf16 => (0, 0, 0),
             Self::Int8 | Self::Int8Rows | Self::Nf4 => (1, 4, 0),
-            Self::Nf4Block(g) => (cols.div_ceil(g.get()), 2, 0),
+            Self::Nf4Block(g) | Self::Int8Block(g) => (cols.div_ceil(g.get()), 2, 0),
             Self::Int4Block(g) => (cols.div_ceil(g.get()), 2, cols.div_ceil(g.get())),
         }
     }
@@ -161,8 +168,8 @@ impl Format {
 
     /// Whether weights whose largest magnitude is `max_abs` stay finite in this format:
     /// f16 codes, and the f16 scales and minimums of the blockwise formats, stop at
-    /// 65,504 (a group's step is at most 2 · 65,504 / 15); bf16 at its largest finite
-    /// value. For finite weights, what [`quantize`] refuses with
+    /// 65,504 (a group's step is at most 2 · 65,504 / 15; `Int8Block`'s scale is its
+    /// group's largest magnitude / 127); bf16 at its largest finite value. For finite weights, what [`quantize`] refuses with
     /// [`Error::Unrepresentable`] is exactly what this says does not hold, except for
     /// `Int4Block`, where it is conservative (its minimum is a group's smallest value,
     /// which may fit where the largest magnitude does not).
@@ -173,6 +180,7 @@ impl Format {
                 f16::from_f32(max_abs).is_finite()
             }
             Self::Bf16 => bf16::from_f32(max_abs).is_finite(),
+            Self::Int8Block(_) => f16::from_f32(max_abs / 127.0).is_finite(),
             Self::Int8 | Self::Int8Rows | Self::Nf4 => max_abs.is_finite(),
         }
     }
@@ -191,7 +199,7 @@ impl Format {
 
 impl std::fmt::Display for Format {
     /// The names [`Format::parse`] reads: `f16`, `bf16`, `int8`, `nf4`, `nf4-g64`,
-    /// `int4-g64`, `int8-rows`.
+    /// `int4-g64`, `int8-rows`, `int8-g32`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::F16 => f.write_str("f16"),
@@ -201,13 +209,14 @@ impl std::fmt::Display for Format {
             Self::Nf4Block(g) => write!(f, "nf4-g{}", g.get()),
             Self::Int4Block(g) => write!(f, "int4-g{}", g.get()),
             Self::Int8Rows => f.write_str("int8-rows"),
+            Self::Int8Block(g) => write!(f, "int8-g{}", g.get()),
         }
     }
 }
 
 impl Format {
     /// Every format name [`Format::parse`] accepts.
-    pub const NAMES: [&'static str; 11] = [
+    pub const NAMES: [&'static str; 14] = [
         "f16",
         "bf16",
         "int8",
@@ -219,6 +228,9 @@ impl Format {
         "int4-g64",
         "int4-g128",
         "int8-rows",
+        "int8-g32",
+        "int8-g64",
+        "int8-g128",
     ];
 
     /// Reads a format name as [`Format`]'s `Display` writes it (case-insensitive).
@@ -244,6 +256,8 @@ impl Format {
                     group(g).map(Self::Nf4Block)
                 } else if let Some(g) = other.strip_prefix("int4-g") {
                     group(g).map(Self::Int4Block)
+                } else if let Some(g) = other.strip_prefix("int8-g") {
+                    group(g).map(Self::Int8Block)
                 } else {
                     None
                 }
@@ -346,6 +360,19 @@ fn set_nibble(codes: &mut [u8], j: usize, q: u8) {
     }
 }
 
+/// `values / scale`, rounded and clamped to ±127 (an f16 scale may round below
+/// absmax / 127), as two's complement bytes; all zeros for a zero scale.
+fn int8_codes(values: &[f32], scale: f32, out: &mut [u8]) {
+    for (o, &v) in out.iter_mut().zip(values) {
+        let q = if scale > 0.0 {
+            (v / scale).round().clamp(-127.0, 127.0)
+        } else {
+            0.0
+        };
+        *o = (q as i8) as u8;
+    }
+}
+
 /// Quantizes row-major `[rows, cols]` f32 weights.
 ///
 /// # Errors
@@ -429,15 +456,28 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
             Format::Int8 | Format::Int8Rows => {
                 let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let scale = absmax / 127.0;
-                for (o, &v) in out.iter_mut().zip(row) {
-                    let q = if scale > 0.0 {
-                        (v / scale).round().clamp(-127.0, 127.0)
-                    } else {
-                        0.0
-                    };
-                    *o = (q as i8) as u8;
-                }
+                int8_codes(row, scale, out);
                 scales.push(scale);
+            }
+            Format::Int8Block(g) => {
+                for (gi, (group, out)) in
+                    row.chunks(g.get()).zip(out.chunks_mut(g.get())).enumerate()
+                {
+                    let absmax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let scale =
+                        f16_scale(absmax / 127.0).ok_or_else(|| scale_err(gi, g.get(), group))?;
+                    // Among the smallest (subnormal) f16 scales, rounding to nearest may
+                    // leave the largest weight short of code 127; the next f16 down
+                    // reaches it. So the largest magnitude always takes code ±127, and
+                    // quantizing the dequantized weights gives the same scale back.
+                    let scale = if scale > 0.0 && (absmax / scale).round() < 127.0 {
+                        f16::from_bits(f16::from_f32(scale).to_bits().saturating_sub(1)).to_f32()
+                    } else {
+                        scale
+                    };
+                    int8_codes(group, scale, out);
+                    scales.push(scale);
+                }
             }
             Format::Nf4 => {
                 let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -523,7 +563,7 @@ pub fn quantize_weighted(
     importance: &[f32],
 ) -> Result<Packed> {
     let mut p = quantize(w, rows, cols, format)?;
-    let Some(g) = format.group() else {
+    let Some(g) = format.group().filter(|_| format.code_bits() == 4) else {
         return Ok(p);
     };
     if importance.len() != cols {
@@ -736,6 +776,19 @@ impl Packed {
                 let s = self.scales.get(r).copied().unwrap_or(0.0);
                 for (o, &c) in out.iter_mut().zip(codes) {
                     *o = f32::from(c as i8) * s;
+                }
+            }
+            Format::Int8Block(g) => {
+                let ng = self.cols.div_ceil(g.get());
+                let scales = self.scales.get(row_span(r, ng)).unwrap_or(&[]);
+                for ((o, c), &s) in out
+                    .chunks_mut(g.get())
+                    .zip(codes.chunks(g.get()))
+                    .zip(scales)
+                {
+                    for (v, &b) in o.iter_mut().zip(c) {
+                        *v = f32::from(b as i8) * s;
+                    }
                 }
             }
             Format::Nf4 => {

@@ -4,7 +4,8 @@
 //! [`Format`]: `F16`, `Bf16`, `Int8` (symmetric, one scale per row), `Nf4` (the QLoRA
 //! NormalFloat codebook, one absmax scale per row), the blockwise 4-bit formats
 //! `Nf4Block` and `Int4Block` (one f16 scale, and for `Int4Block` an f16 minimum, per group
-//! of 32, 64 or 128 weights along a row), and `Int8Rows` for embedding tables.
+//! of 32, 64 or 128 weights along a row), `Int8Block` (INT8 with one f16 scale per group:
+//! llama.cpp's Q8_0 layout at groups of 32), and `Int8Rows` for embedding tables.
 //! [`quantize`] refuses non-finite weights and empty shapes; [`Packed::dequantize_into`],
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
 //! computes `x W^T` reading the packed bytes (AVX2 when the CPU has it, integer sums for

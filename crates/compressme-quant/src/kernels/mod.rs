@@ -262,7 +262,7 @@ impl IntRow {
         self.scales.clear();
         self.scales.extend(scales.values());
         match (w.format(), self.lut) {
-            (Format::Int8 | Format::Int8Rows, _) => {
+            (Format::Int8 | Format::Int8Rows | Format::Int8Block(_), _) => {
                 for (o, &c) in self.codes.iter_mut().zip(codes) {
                     *o = c as i8;
                 }
@@ -347,6 +347,14 @@ impl<'a> RowsView<'a> {
                     k: 1.0 / 127.0,
                 },
             ),
+            Format::Int8Block(g) => (
+                g.get(),
+                None,
+                ScaleRule::Groups {
+                    per_row: w.cols().div_ceil(g.get()),
+                    k: 1.0,
+                },
+            ),
             Format::Int4Block(g) => (
                 g.get(),
                 Some(&INT4_I8),
@@ -413,7 +421,7 @@ impl<'a> RowsView<'a> {
 /// all cores (rayon).
 ///
 /// # Arithmetic
-/// - **Integer formats** (`Int8`, `Int8Rows`, `Nf4`, `Nf4Block`, `Int4Block`): each row of
+/// - **Integer formats** (`Int8`, `Int8Rows`, `Int8Block`, `Nf4`, `Nf4Block`, `Int4Block`): each row of
 ///   `x` is rounded once to 14-bit fixed point (`x ≈ d · q`, `d = absmax / 8191`, `q` an
 ///   `i16`). Each weight row is read as small integer codes `c` with float scales per group
 ///   (`w = s_g · c`, plus the group minimum for `Int4Block`): INT8 codes as they are stored,

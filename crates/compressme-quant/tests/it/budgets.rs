@@ -29,6 +29,9 @@ const BUDGETS: &[(Format, &str, f64)] = &[
     (Format::Int4Block(G32), "gaussian", 0.087), (Format::Int4Block(G32), "student-t", 0.111), (Format::Int4Block(G32), "outliers", 0.122),
     (Format::Int4Block(G64), "gaussian", 0.099), (Format::Int4Block(G64), "student-t", 0.146), (Format::Int4Block(G64), "outliers", 0.173),
     (Format::Int4Block(G128), "gaussian", 0.11), (Format::Int4Block(G128), "student-t", 0.185), (Format::Int4Block(G128), "outliers", 0.256),
+    (Format::Int8Block(G32), "gaussian", 0.0056), (Format::Int8Block(G32), "student-t", 0.0088), (Format::Int8Block(G32), "outliers", 0.0125),
+    (Format::Int8Block(G64), "gaussian", 0.0062), (Format::Int8Block(G64), "student-t", 0.0113), (Format::Int8Block(G64), "outliers", 0.0176),
+    (Format::Int8Block(G128), "gaussian", 0.0068), (Format::Int8Block(G128), "student-t", 0.0144), (Format::Int8Block(G128), "outliers", 0.0228),
 ];
 /// Half precision keeps 11 significant bits: relative error at most 2^-12 a weight.
 const BUDGET_F16: f64 = 2.5e-4;

@@ -18,6 +18,7 @@ pub fn all_formats() -> Vec<Format> {
     for g in [GroupSize::G32, GroupSize::G64, GroupSize::G128] {
         v.push(Format::Nf4Block(g));
         v.push(Format::Int4Block(g));
+        v.push(Format::Int8Block(g));
     }
     v
 }

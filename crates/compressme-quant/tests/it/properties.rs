@@ -199,6 +199,8 @@ fn stored_bytes_count_codes_scales_and_minimums() {
     assert_eq!(bytes(Format::Nf4Block(GroupSize::G64)), 3 * (50 + 2 * 2));
     assert_eq!(bytes(Format::Nf4Block(GroupSize::G32)), 3 * (50 + 4 * 2));
     assert_eq!(bytes(Format::Int4Block(GroupSize::G128)), 3 * (50 + 2 + 2));
+    assert_eq!(bytes(Format::Int8Block(GroupSize::G32)), 3 * (100 + 4 * 2));
+    assert!((Format::Int8Block(GroupSize::G32).bits_per_weight(4096) - 8.5).abs() < 1e-12);
     assert!((Format::Nf4Block(GroupSize::G64).bits_per_weight(4096) - 4.25).abs() < 1e-12);
     assert!((Format::Int4Block(GroupSize::G32).bits_per_weight(4096) - 5.0).abs() < 1e-12);
     // odd row lengths: half a byte of padding per row
@@ -297,11 +299,12 @@ fn wire_tags_are_stable() {
         Format::Nf4Block(GroupSize::G64),
         Format::Int4Block(GroupSize::G64),
         Format::Int8Rows,
+        Format::Int8Block(GroupSize::G32),
     ]
     .iter()
     .map(|f| f.tag())
     .collect();
-    assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7, 8]);
 }
 
 /// Rows long enough to need several `i32` flushes, at the largest codes and activations:
@@ -397,6 +400,10 @@ fn dequantize_follows_the_layout_definition() {
                             let gi = r * cols.div_ceil(g.get()) + j / g.get();
                             q.mins()[gi] + f32::from(nib(r, j)) * q.scales()[gi]
                         }
+                        Format::Int8Block(g) => {
+                            let gi = r * cols.div_ceil(g.get()) + j / g.get();
+                            f32::from(q.codes()[r * rb + j] as i8) * q.scales()[gi]
+                        }
                         _ => unreachable!(),
                     };
                     assert_eq!(
@@ -482,4 +489,25 @@ fn weighted_rounding_beats_absmax_on_its_objective() {
         quantize_weighted(&w, rows, cols, Format::Nf4Block(GroupSize::G64), &imp[..3]).unwrap(),
         quantize(&w, rows, cols, Format::Nf4Block(GroupSize::G64)).unwrap()
     );
+}
+
+/// `Int8Block`'s largest magnitude takes code ±127 even where its f16 scale is subnormal
+/// and rounding to nearest would leave it at 126 (so requantizing keeps the scale).
+#[test]
+fn int8_block_gives_the_largest_weight_code_127_at_subnormal_scales() {
+    let f = Format::Int8Block(GroupSize::G32);
+    for v in [
+        8.896_611_4e-4f32,
+        -9.349_143e-4,
+        1.135_642_8e-5,
+        1.0e-3,
+        0.05,
+        -3.0,
+    ] {
+        let q = quantize(&[v, v / 3.0], 1, 2, f).unwrap();
+        let want: u8 = if v > 0.0 { 127 } else { (-127i8) as u8 };
+        assert_eq!(q.codes()[0], want, "{v}");
+        let q2 = quantize(&dequantized(&q), 1, 2, f).unwrap();
+        assert_eq!((q2.codes(), q2.scales()), (q.codes(), q.scales()), "{v}");
+    }
 }

@@ -32,7 +32,7 @@ pub(crate) struct PackArgs {
     #[arg(long)]
     pub(crate) lossless: bool,
     /// Quantize every float tensor of 2+ dimensions to this format (f16, bf16, int8,
-    /// nf4, nf4-g32/64/128, int4-g32/64/128), except those --keep matches.
+    /// nf4, nf4-g32/64/128, int4-g32/64/128, int8-g32/64/128), except those --keep matches.
     #[arg(long)]
     pub(crate) format: Option<String>,
     /// A regular expression of tensor names --format leaves alone (e.g. 'lm_head|embed').
