@@ -913,6 +913,7 @@ fn mapped_reads_equal_copied_reads() {
         }
     }
     assert_eq!(lossless, 2);
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }
 
 /// A writer that reserves the header's room writes each payload once, straight into the
@@ -988,6 +989,7 @@ fn a_reserved_header_room_gives_the_same_artifact_padded() {
             Some(_) => assert!(got == plain_bytes),
         }
     }
+    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// `unpack` checks what it writes against the whole-tensor digests, not block by block:

@@ -40,10 +40,29 @@ fn open(name: &str) -> LanguageModel {
     LanguageModel::open(&fixture(name), &Device::Cpu).unwrap()
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cm-decoders-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// One test's folder under the system's temporary folder: removed when the test passes,
+/// kept when it fails (for a look).
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("cm-decoders-{}-{test}", std::process::id()));
+        drop(std::fs::remove_dir_all(&dir));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            drop(std::fs::remove_dir_all(&self.0));
+        }
+    }
 }
 
 #[test]
@@ -204,6 +223,7 @@ fn storages(lm: &LanguageModel, kind: &str) -> Vec<(String, Storage)> {
 
 #[test]
 fn every_family_through_every_storage_and_back_from_an_artifact() {
+    let scratch = Scratch::new("storages");
     for name in FAMILIES {
         let reference = open(name);
         let g = golden(name);
@@ -230,7 +250,7 @@ fn every_family_through_every_storage_and_back_from_an_artifact() {
             let err = max_abs_diff(&got, &want).unwrap();
             assert!(err <= budget, "{name} {kind}: {err} over {budget}");
             // written as it is stored, read back with no other file: the same logits
-            let path = tmp(&format!("{name}-{kind}.cma"));
+            let path = scratch.join(&format!("{name}-{kind}.cma"));
             lm.save(&path).unwrap();
             let back = LanguageModel::open(&path, &Device::Cpu).unwrap();
             assert_eq!(back.model.config(), lm.model.config());
@@ -393,8 +413,8 @@ fn unsupported_settings_are_refused_by_name() {
 }
 
 /// A copy of a fixture folder in which `edit` changed something.
-fn edited(name: &str, tag: &str, edit: impl FnOnce(&Path)) -> PathBuf {
-    let dir = tmp(&format!("{name}-{tag}"));
+fn edited(scratch: &Scratch, name: &str, tag: &str, edit: impl FnOnce(&Path)) -> PathBuf {
+    let dir = scratch.join(&format!("{name}-{tag}"));
     std::fs::create_dir_all(&dir).unwrap();
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         std::fs::copy(fixture(name).join(f), dir.join(f)).unwrap();
@@ -408,6 +428,7 @@ type Tensors = std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
 #[test]
 fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
+    let scratch = Scratch::new("edited");
     let rewrite = |dir: &Path, f: &dyn Fn(&mut Tensors)| {
         let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -443,7 +464,7 @@ fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
             .to_string()
     };
 
-    let d = edited("llama-gqa", "missing", |d| {
+    let d = edited(&scratch, "llama-gqa", "missing", |d| {
         rewrite(d, &|m| {
             m.remove("model.layers.1.mlp.up_proj.weight");
         })
@@ -451,7 +472,7 @@ fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
     let e = err(&d);
     assert!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
 
-    let d = edited("llama-gqa", "extra", |d| {
+    let d = edited(&scratch, "llama-gqa", "extra", |d| {
         rewrite(d, &|m| {
             m.insert(
                 "model.layers.7.mystery.weight".into(),
@@ -466,7 +487,7 @@ fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
     );
 
     // Pythia's name for the head, misshapen
-    let d = edited("neox", "shape", |d| {
+    let d = edited(&scratch, "neox", "shape", |d| {
         rewrite(d, &|m| {
             m.remove("lm_head.weight");
             m.insert(
@@ -482,7 +503,7 @@ fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
     );
 
     // a tokenizer of another model: more tokens than the vocabulary
-    let d = edited("gpt2", "tokenizer", |d| {
+    let d = edited(&scratch, "gpt2", "tokenizer", |d| {
         let mut t: Value =
             serde_json::from_str(&std::fs::read_to_string(d.join("tokenizer.json")).unwrap())
                 .unwrap();
@@ -499,7 +520,7 @@ fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
     );
 
     // a bad config is refused naming the key
-    let d = edited("gpt2", "config", |d| {
+    let d = edited(&scratch, "gpt2", "config", |d| {
         let mut c: Value =
             serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
         c["activation_function"] = Value::from("swiglu");
@@ -514,7 +535,8 @@ fn missing_extra_and_misshapen_tensors_and_foreign_tokenizers_are_named() {
 
 #[test]
 fn an_artifact_without_a_decoder_config_is_refused_clearly() {
-    let path = tmp("plain.cma");
+    let scratch = Scratch::new("plain");
+    let path = scratch.join("plain.cma");
     let mut w = compressme_artifact::Writer::create(&path).unwrap();
     w.add_dense("x", compressme_artifact::Dtype::F32, &[2], &[0u8; 8])
         .unwrap();
@@ -641,7 +663,8 @@ fn llama_gguf(path: &Path, edit: impl FnOnce(&mut Vec<(String, Tensor)>)) {
 
 #[test]
 fn a_llama_gguf_reads_as_transformers_reads_the_folder() {
-    let path = tmp("llama-gqa.gguf");
+    let scratch = Scratch::new("gguf");
+    let path = scratch.join("llama-gqa.gguf");
     llama_gguf(&path, |_| {});
     let lm = LanguageModel::open(&path, &Device::Cpu).unwrap();
     assert_eq!(lm.source.kind, "gguf");
@@ -666,13 +689,13 @@ fn a_llama_gguf_reads_as_transformers_reads_the_folder() {
     assert!(err < 1e-4, "GGUF against transformers: {err}");
 
     // a tensor missing, a tensor the mapping does not know: named
-    let missing = tmp("missing.gguf");
+    let missing = scratch.join("missing.gguf");
     llama_gguf(&missing, |t| t.retain(|(n, _)| n != "blk.1.ffn_up.weight"));
     let e = LanguageModel::open(&missing, &Device::Cpu)
         .unwrap_err()
         .to_string();
     assert!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
-    let extra = tmp("extra.gguf");
+    let extra = scratch.join("extra.gguf");
     llama_gguf(&extra, |t| {
         t.push((
             "blk.0.attn_qkv.weight".into(),
@@ -686,7 +709,7 @@ fn a_llama_gguf_reads_as_transformers_reads_the_folder() {
         e.contains("blk.0.attn_qkv.weight") && e.contains("no Hugging Face name"),
         "{e}"
     );
-    let not_gguf = tmp("garbage.gguf");
+    let not_gguf = scratch.join("garbage.gguf");
     std::fs::write(&not_gguf, b"GGUF\x03\x00\x00\x00garbage").unwrap();
     let e = LanguageModel::open(&not_gguf, &Device::Cpu)
         .unwrap_err()
