@@ -81,6 +81,16 @@ pub enum Error {
     /// JSON that is not a plan.
     #[error("plan: {0}")]
     Json(String),
+    /// A candidate format the profile holds no error estimates for.
+    #[error(
+        "the profile holds no error estimates for {format} (it estimated: {profiled}); profile again with it among the candidates"
+    )]
+    NotProfiled {
+        /// The candidate.
+        format: String,
+        /// The formats the profile estimated.
+        profiled: String,
+    },
 }
 
 /// Result alias for this crate.
@@ -435,13 +445,27 @@ impl Plan {
     /// the summed estimated error with the planned weights' bytes at most `budget_bytes`.
     ///
     /// # Errors
-    /// [`Error::Budget`] when even the smallest choices do not fit.
+    /// [`Error::Budget`] when even the smallest choices do not fit;
+    /// [`Error::NotProfiled`] for a candidate the profile did not estimate (it would
+    /// otherwise be skipped without a word).
     pub fn within_budget(
         profile: &Profile,
         candidates: &[Format],
         budget_bytes: u64,
         policy: Policy,
     ) -> Result<Self> {
+        let profiled: Vec<Format> = profile
+            .settings
+            .candidates
+            .iter()
+            .filter_map(|c| Format::parse(c).ok())
+            .collect();
+        if let Some(f) = candidates.iter().find(|f| !profiled.contains(f)) {
+            return Err(Error::NotProfiled {
+                format: f.to_string(),
+                profiled: profile.settings.candidates.join(", "),
+            });
+        }
         let mut items: Vec<(String, Vec<Option3>)> = Vec::new();
         for (name, s) in linears(profile) {
             let head = policy.protect_output_head && policy.output_heads.contains(name);

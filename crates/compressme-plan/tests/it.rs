@@ -428,3 +428,37 @@ fn extreme_shapes_in_a_profile_do_not_overflow() {
         assert_eq!(c.bytes(usize::MAX, usize::MAX).map(|b| b > 0), Some(true));
     }
 }
+
+/// A candidate the profile has no estimates for is refused by name, not skipped; a
+/// profile that estimated it lets the solver choose it.
+#[test]
+fn a_candidate_the_profile_did_not_estimate_is_named() {
+    let m = model();
+    let int8_g32 = Format::Int8Block(compressme_quant::GroupSize::G32);
+    let p = ActivationRecorder::new(ProfileSettings::default())
+        .record(&m, &batches(2, 4), |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    let total: u64 = shapes(&p).values().map(|s| (s.rows * s.cols) as u64).sum();
+    let e = Plan::within_budget(&p, &[Format::Int8, int8_g32], total * 2, Policy::default())
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::NotProfiled { format, .. } if format == "int8-g32"),
+        "{e}"
+    );
+    let settings = ProfileSettings {
+        candidates: vec!["int8".into(), "int8-g32".into()],
+        ..ProfileSettings::default()
+    };
+    let p = ActivationRecorder::new(settings)
+        .record(&m, &batches(2, 4), |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    // a budget that fits INT8-g32 everywhere: it is the lower-error choice
+    let plan =
+        Plan::within_budget(&p, &[Format::Int8, int8_g32], total * 2, Policy::default()).unwrap();
+    let chosen = plan
+        .modules
+        .values()
+        .filter(|c| **c == Choice::Format(int8_g32))
+        .count();
+    assert!(chosen > 0, "{:?}", plan.modules);
+}

@@ -86,6 +86,38 @@ fn tiny_decoders_profile_plan_pack_evaluate_generate() {
         assert!(out.contains("bits a weight"), "{out}");
         let plan: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(s("plan.json")).unwrap()).unwrap();
+        // a candidate the profile did not estimate is named, not skipped; profiled, it plans
+        let g32 = ["--candidates", "int8,int8-g32", "-o"];
+        let (ok, _, err) = run(&[
+            &["plan", &s("profile.json"), "--budget-bpw", "8.5"],
+            &g32[..],
+            &[&s("g32.json")],
+        ]
+        .concat());
+        assert!(
+            !ok && err.contains("no error estimates for int8-g32"),
+            "{name}: {err}"
+        );
+        let (ok, _, err) = run(&[
+            &["profile", &model, "--text", &txt, "--context", "32"],
+            &g32[..],
+            &[&s("g32-profile.json")],
+        ]
+        .concat());
+        assert!(ok, "{name} profile --candidates: {err}");
+        let (ok, _, err) = run(&[
+            &["plan", &s("g32-profile.json"), "--budget-bpw", "8.5"],
+            &g32[..],
+            &[&s("g32.json")],
+        ]
+        .concat());
+        assert!(ok, "{name} plan --candidates: {err}");
+        assert!(
+            std::fs::read_to_string(s("g32.json"))
+                .unwrap()
+                .contains("\"int8-g32\""),
+            "{name}: no module took int8-g32"
+        );
         // the output head, tied or not, is kept at INT8 or better
         let heads: Vec<String> = match profile["output_heads"].as_array() {
             Some(h) => h.iter().map(|v| v.as_str().unwrap().to_string()).collect(),

@@ -209,13 +209,13 @@ pub(crate) struct ProfileOptions<'a> {
     pub(crate) out: &'a Path,
     pub(crate) context: Option<usize>,
     pub(crate) max_windows: Option<usize>,
-    pub(crate) density_threshold: f32,
+    pub(crate) settings: compressme::profile::ProfileSettings,
 }
 
 /// Profiles a decoder over consecutive windows of a text (one document), every linear
 /// (the output head included) observed.
 pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Profile> {
-    use compressme::profile::{ActivationRecorder, ProfileSettings};
+    use compressme::profile::ActivationRecorder;
     let text = read_text(o.text)?;
     let lm = open(o.model)?;
     let ids = lm.encode(&text)?;
@@ -235,10 +235,7 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
     if windows.is_empty() {
         bail!("{} has too few tokens to calibrate on", o.text.display());
     }
-    let settings = ProfileSettings {
-        density_threshold: o.density_threshold,
-        ..ProfileSettings::default()
-    };
+    let settings = o.settings.clone();
     let bar = Bars::new();
     bar.stage("windows", windows.len() as u64);
     let profile = ActivationRecorder::new(settings)

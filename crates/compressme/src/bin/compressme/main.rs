@@ -76,6 +76,11 @@ enum Command {
         /// |x| above this counts toward density.
         #[arg(long, default_value_t = 0.01)]
         density_threshold: f32,
+        /// Formats whose error is estimated per module (comma-separated; default: f16,
+        /// int8, nf4 and blockwise nf4/int4 at groups 32, 64, 128): what `plan
+        /// --candidates` may then choose from.
+        #[arg(long)]
+        candidates: Option<String>,
     },
     /// Choose a storage per module from a profile: under a budget in bits per weight
     /// (minimising the estimated error), or by the importance thresholds.
@@ -299,6 +304,7 @@ fn run() -> Result<()> {
             context,
             max_windows,
             density_threshold,
+            candidates,
         } => match (text, data) {
             (Some(text), None) => plan_cmds::profile_decoder(&lm_cmds::ProfileOptions {
                 model: &model_dir,
@@ -306,7 +312,7 @@ fn run() -> Result<()> {
                 out: &output,
                 context,
                 max_windows,
-                density_threshold,
+                settings: plan_cmds::profile_settings(density_threshold, candidates.as_deref())?,
             }),
             (None, Some(data)) => plan_cmds::profile(
                 &model_dir,
@@ -314,7 +320,7 @@ fn run() -> Result<()> {
                 &output,
                 batch,
                 max_len,
-                density_threshold,
+                plan_cmds::profile_settings(density_threshold, candidates.as_deref())?,
             ),
             _ => bail!(
                 "give --text FILE (a decoder: one document) or --data FILE (BERT: one example a line)"

@@ -18,6 +18,30 @@ pub(crate) fn profile_decoder(o: &crate::lm_cmds::ProfileOptions<'_>) -> Result<
     write_and_summarise(&profile, o.out, t0)
 }
 
+/// Profile settings from the command line: the density threshold, and the candidate
+/// formats (checked by name here, so a typo fails before any model is loaded).
+pub(crate) fn profile_settings(
+    density_threshold: f32,
+    candidates: Option<&str>,
+) -> Result<ProfileSettings> {
+    let mut settings = ProfileSettings {
+        density_threshold,
+        ..ProfileSettings::default()
+    };
+    if let Some(c) = candidates {
+        settings.candidates = parse_formats(c)?.iter().map(ToString::to_string).collect();
+    }
+    Ok(settings)
+}
+
+/// Comma-separated format names.
+fn parse_formats(list: &str) -> Result<Vec<Format>> {
+    Ok(list
+        .split(',')
+        .map(|s| Format::parse(s.trim()))
+        .collect::<Result<_, _>>()?)
+}
+
 /// Profiles a BERT folder over the lines of `data`.
 pub(crate) fn profile(
     model_dir: &Path,
@@ -25,7 +49,7 @@ pub(crate) fn profile(
     out: &Path,
     batch: usize,
     max_len: usize,
-    density_threshold: f32,
+    settings: ProfileSettings,
 ) -> Result<()> {
     let t0 = Instant::now();
     let emb = SentenceEmbedder::from_dir(model_dir, &Device::Cpu)
@@ -68,10 +92,6 @@ pub(crate) fn profile(
             mask.narrow(1, 0, t)?,
         ));
     }
-    let settings = ProfileSettings {
-        density_threshold,
-        ..ProfileSettings::default()
-    };
     let pb = ProgressBar::new(batches.len() as u64);
     let profile = ActivationRecorder::new(settings)
         .with_calibration_sha256(compressme::artifact::recipe::sha256_hex(&text))
@@ -140,10 +160,7 @@ pub(crate) fn plan(
         },
     };
     let candidates: Vec<Format> = match candidates {
-        Some(c) => c
-            .split(',')
-            .map(|s| Format::parse(s.trim()))
-            .collect::<Result<_, _>>()?,
+        Some(c) => parse_formats(c)?,
         None => default_candidates(),
     };
     let sh = shapes(&profile);
