@@ -441,10 +441,8 @@ fn a_candidate_the_profile_did_not_estimate_is_named() {
     let total: u64 = shapes(&p).values().map(|s| (s.rows * s.cols) as u64).sum();
     let e = Plan::within_budget(&p, &[Format::Int8, int8_g32], total * 2, Policy::default())
         .unwrap_err();
-    assert!(
-        matches!(&e, Error::NotProfiled { format, .. } if format == "int8-g32"),
-        "{e}"
-    );
+    let ok = matches!(&e, Error::NotProfiled { format, .. } if format == "int8-g32");
+    assert!(ok, "{e}");
     let settings = ProfileSettings {
         candidates: vec!["int8".into(), "int8-g32".into()],
         ..ProfileSettings::default()

@@ -169,8 +169,8 @@ impl Format {
     /// Whether weights whose largest magnitude is `max_abs` stay finite in this format:
     /// f16 codes, and the f16 scales and minimums of the blockwise formats, stop at
     /// 65,504 (a group's step is at most 2 · 65,504 / 15; `Int8Block`'s scale is its
-    /// group's largest magnitude / 127); bf16 at its largest finite value. For finite weights, what [`quantize`] refuses with
-    /// [`Error::Unrepresentable`] is exactly what this says does not hold, except for
+    /// group's largest magnitude / 127); bf16 at its largest finite value. For finite
+    /// weights, what [`quantize`] refuses with [`Error::Unrepresentable`] is exactly what this says does not hold, except for
     /// `Int4Block`, where it is conservative (its minimum is a group's smallest value,
     /// which may fit where the largest magnitude does not).
     #[must_use]
@@ -772,20 +772,14 @@ impl Packed {
                     }
                 }
             }
-            Format::Int8 | Format::Int8Rows => {
-                let s = self.scales.get(r).copied().unwrap_or(0.0);
-                for (o, &c) in out.iter_mut().zip(codes) {
-                    *o = f32::from(c as i8) * s;
-                }
-            }
-            Format::Int8Block(g) => {
-                let ng = self.cols.div_ceil(g.get());
-                let scales = self.scales.get(row_span(r, ng)).unwrap_or(&[]);
-                for ((o, c), &s) in out
-                    .chunks_mut(g.get())
-                    .zip(codes.chunks(g.get()))
-                    .zip(scales)
-                {
+            // INT8 per row is one group of `cols`
+            Format::Int8 | Format::Int8Rows | Format::Int8Block(_) => {
+                let g = self.format.group().unwrap_or(self.cols).max(1);
+                let scales = self
+                    .scales
+                    .get(row_span(r, self.cols.div_ceil(g)))
+                    .unwrap_or(&[]);
+                for ((o, c), &s) in out.chunks_mut(g).zip(codes.chunks(g)).zip(scales) {
                     for (v, &b) in o.iter_mut().zip(c) {
                         *v = f32::from(b as i8) * s;
                     }

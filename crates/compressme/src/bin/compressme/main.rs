@@ -249,8 +249,6 @@ fn clean_up_on_signals() {
     }
 }
 
-/// Errors print as one line, the cause chain included (`error: reading x: No such file`),
-/// with no backtrace: the message names what failed; `COMPRESSME_DEBUG` shows more.
 /// Sets `RAYON_NUM_THREADS` to the number of threads rayon would start anyway (the CPUs
 /// this process may use), unless the user set it.
 ///
@@ -272,6 +270,8 @@ fn pin_thread_count() {
     }
 }
 
+/// Errors print as one line, the cause chain included (`error: reading x: No such file`),
+/// with no backtrace: the message names what failed; `COMPRESSME_DEBUG` shows more.
 fn main() -> std::process::ExitCode {
     pin_thread_count();
     match run() {
@@ -327,27 +327,25 @@ fn run() -> Result<()> {
             max_windows,
             density_threshold,
             candidates,
-        } => match (text, data) {
-            (Some(text), None) => plan_cmds::profile_decoder(&lm_cmds::ProfileOptions {
-                model: &model_dir,
-                text: &text,
-                out: &output,
-                context,
-                max_windows,
-                settings: plan_cmds::profile_settings(density_threshold, candidates.as_deref())?,
-            }),
-            (None, Some(data)) => plan_cmds::profile(
-                &model_dir,
-                &data,
-                &output,
-                batch,
-                max_len,
-                plan_cmds::profile_settings(density_threshold, candidates.as_deref())?,
-            ),
-            _ => bail!(
-                "give --text FILE (a decoder: one document) or --data FILE (BERT: one example a line)"
-            ),
-        },
+        } => {
+            let settings = plan_cmds::profile_settings(density_threshold, candidates.as_deref())?;
+            match (text, data) {
+                (Some(text), None) => plan_cmds::profile_decoder(&lm_cmds::ProfileOptions {
+                    model: &model_dir,
+                    text: &text,
+                    out: &output,
+                    context,
+                    max_windows,
+                    settings,
+                }),
+                (None, Some(data)) => {
+                    plan_cmds::profile(&model_dir, &data, &output, batch, max_len, settings)
+                }
+                _ => bail!(
+                    "give --text FILE (a decoder: one document) or --data FILE (BERT: one example a line)"
+                ),
+            }
+        }
         Command::Plan {
             profile,
             output,
