@@ -145,11 +145,14 @@ fn main() -> Result<(), String> {
     let mut seed = Vec::new();
     for (kind, data, row_bytes, size) in cases {
         for block_rows in if quick {
-            vec![16]
+            vec![64]
         } else {
             vec![4, 16, 64, 256]
         } {
-            let mut coders = vec![Coder::SharedHuffman { max_tables: 4 }];
+            let mut coders = vec![
+                Coder::SharedHuffman { max_tables: 4 },
+                Coder::SharedRans { max_tables: 4 },
+            ];
             if !quick {
                 coders.push(Coder::Zstd { level: 1 });
             }

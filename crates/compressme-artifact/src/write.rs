@@ -763,6 +763,7 @@ fn lossless_recipe(
         row_bytes,
         coder: match coder {
             Coder::Zstd { level } => format!("zstd-{level}"),
+            Coder::SharedRans { .. } => "rans".into(),
             _ => "huffman".into(),
         },
         row_index,

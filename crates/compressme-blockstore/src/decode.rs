@@ -14,7 +14,9 @@
 
 use rayon::prelude::*;
 
-use crate::format::{MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RAW, MODE_ZSTD, get_varint};
+use crate::format::{
+    MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RANS, MODE_RAW, MODE_ZSTD, get_varint,
+};
 use crate::{BlockStore, Error, Result};
 
 /// `len` bytes from `start` (saturating, so an overflowing range is empty-or-refused by the
@@ -252,7 +254,28 @@ impl<'s> Decoder<'s> {
                     }
                     *src = Src::Scratch(k.saturating_mul(n));
                 }
-                m if m >= MODE_HUFFMAN_ROWS => {
+                m if (MODE_RANS..MODE_RANS.saturating_add(16)).contains(&m) => {
+                    let t = usize::from(m.saturating_sub(MODE_RANS));
+                    let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
+                    let stream = bytes
+                        .get(at(pos, len))
+                        .ok_or_else(|| bad("rANS plane runs past the block"))?;
+                    pos = pos.saturating_add(len);
+                    let table = s.rans.get(k).and_then(|ts| ts.get(t)).ok_or_else(|| {
+                        bad(&format!("plane {k} names rANS table {t}, which does not exist"))
+                    })?;
+                    // one stream over the plane: decoded up to the last row needed
+                    let upto = need.min(rows).saturating_mul(re);
+                    let dst = self
+                        .scratch
+                        .get_mut(at(k.saturating_mul(n), upto))
+                        .ok_or_else(|| bad("scratch"))?;
+                    table
+                        .decode(stream, dst, upto == n)
+                        .map_err(|e| e.in_block(block))?;
+                    *src = Src::Scratch(k.saturating_mul(n));
+                }
+                m if (MODE_HUFFMAN_ROWS..MODE_RANS).contains(&m) => {
                     let t = m.saturating_sub(MODE_HUFFMAN_ROWS);
                     let (body, dec) =
                         coded_plane(s, bytes, &mut pos, k, t).map_err(|e| e.in_block(block))?;
@@ -300,7 +323,7 @@ impl<'s> Decoder<'s> {
                     }
                     *src = Src::Scratch(k.saturating_mul(n));
                 }
-                m if m >= MODE_HUFFMAN => {
+                m if (MODE_HUFFMAN..MODE_HUFFMAN_ROWS).contains(&m) => {
                     let t = m.saturating_sub(MODE_HUFFMAN);
                     let (stream, dec) =
                         coded_plane(s, bytes, &mut pos, k, t).map_err(|e| e.in_block(block))?;

@@ -6,10 +6,11 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::format::{
-    MAX_BLOCK_BYTES, MAX_TABLES, MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RAW, MODE_ZSTD,
-    put_varint,
+    MAX_BLOCK_BYTES, MAX_TABLES, MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RANS, MODE_RAW,
+    MODE_ZSTD, put_varint,
 };
 use crate::huffman::{CodeLengths, Decoder, Encoder};
+use crate::rans;
 use crate::{BlockStore, Coder, EncodeOptions, Error, Result, ValueKind};
 
 /// One block's byte counts in one plane (a block is at most 2^28 bytes, so they fit).
@@ -482,7 +483,7 @@ fn validate(data: &[u8], rows: u64, row_bytes: usize, opts: &EncodeOptions) -> R
         ));
     }
     match opts.coder {
-        Coder::SharedHuffman { max_tables }
+        Coder::SharedHuffman { max_tables } | Coder::SharedRans { max_tables }
             if max_tables == 0 || usize::from(max_tables) > MAX_TABLES =>
         {
             bad(format!(
@@ -528,8 +529,8 @@ impl BlockStore {
                 .collect()
         };
 
-        let tables: Vec<Vec<CodeLengths>> = match opts.coder {
-            Coder::SharedHuffman { max_tables } => {
+        let mut tables: Vec<Vec<CodeLengths>> = match opts.coder {
+            Coder::SharedHuffman { max_tables } | Coder::SharedRans { max_tables } => {
                 let plane = |k: usize| {
                     let hs: Vec<&Histogram> = stats
                         .iter()
@@ -549,6 +550,27 @@ impl BlockStore {
             }
             Coder::Zstd { .. } => vec![Vec::new(); e],
         };
+        // rANS tables for the planes where they store fewer bytes than the Huffman tables
+        // (never with a row index: each row would carry its own states)
+        let rans: Vec<Vec<Arc<rans::Table>>> = match opts.coder {
+            Coder::SharedRans { .. } if !opts.row_index => {
+                let plane = |k: usize| {
+                    let ts = tables.get(k).map_or(&[][..], Vec::as_slice);
+                    rans_tables(&stats, k, ts, opts.max_coded_fraction)
+                };
+                if opts.parallel {
+                    (0..e).into_par_iter().map(plane).collect()
+                } else {
+                    (0..e).map(plane).collect()
+                }
+            }
+            _ => vec![Vec::new(); e],
+        };
+        for (ts, rs) in tables.iter_mut().zip(&rans) {
+            if !rs.is_empty() {
+                ts.clear();
+            }
+        }
         let encoders: Vec<Vec<Encoder>> = tables
             .iter()
             .map(|ts| ts.iter().map(Encoder::new).collect())
@@ -556,7 +578,7 @@ impl BlockStore {
 
         let encode_one = |sc: &mut Scratch, (c, b): (&&[u8], &BlockStats)| -> (Vec<u8>, [u8; 32]) {
             make_planes(kind, c, sc);
-            let out = encode_block(&sc.planes, b, e, &tables, &encoders, opts);
+            let out = encode_block(&sc.planes, b, e, &tables, &encoders, &rans, opts);
             let digest: [u8; 32] = Sha256::digest(&out).into();
             (out, digest)
         };
@@ -594,6 +616,7 @@ impl BlockStore {
             block_rows: opts.block_rows,
             decoders: decoders_for(&tables),
             tables,
+            rans,
             offsets,
             digests,
             index_digest: [0; 32],
@@ -656,12 +679,88 @@ pub(crate) fn decoders_for(tables: &[Vec<CodeLengths>]) -> Vec<Vec<Arc<Decoder>>
         .collect()
 }
 
+/// Bytes a plane record with a coded body of `body` bytes takes: mode, LEB128, body.
+fn record_bytes(body: usize) -> usize {
+    1 + body + if body < 1 << 7 { 1 } else if body < 1 << 14 { 2 } else { 3 }
+}
+
+/// The cheaper rANS table for one block's plane, with the bytes its stream takes.
+fn best_rans(ts: &[Arc<rans::Table>], h: &Histogram) -> Option<(usize, usize)> {
+    ts.iter()
+        .enumerate()
+        .map(|(i, t)| (i, t.block_cost_bits(h)))
+        .filter(|&(_, c)| c != u64::MAX)
+        .min_by_key(|&(i, c)| (c, i))
+        .map(|(i, c)| (i, c.div_ceil(8) as usize + rans::STATE_BYTES))
+}
+
+/// rANS tables for plane `k`, one for each group of blocks the Huffman clustering made
+/// (each block joins the Huffman table that codes it shortest), when they store the plane
+/// in fewer bytes than the Huffman tables do, tables included; otherwise none.
+fn rans_tables(
+    stats: &[BlockStats],
+    k: usize,
+    huffman: &[CodeLengths],
+    max_coded_fraction: f64,
+) -> Vec<Arc<rans::Table>> {
+    let blocks: Vec<&Histogram> = stats
+        .iter()
+        .filter(|b| !b.constant.get(k).copied().unwrap_or(true))
+        .filter_map(|b| b.hists.get(k))
+        .collect();
+    if blocks.is_empty() || huffman.is_empty() {
+        return Vec::new();
+    }
+    let mut sums = vec![[0u64; 256]; huffman.len()];
+    let mut huffman_bytes = 128 * huffman.len();
+    let raw = |h: &Histogram| h.iter().map(|&c| c as usize).sum::<usize>();
+    // Huffman planes are kept when they gain at least `1 - max_coded_fraction`; rANS
+    // planes whenever they are smaller than raw (the coder was chosen for size)
+    let keep = |h: &Histogram, coded: usize, fraction: f64| {
+        let n = raw(h);
+        if (coded as f64) <= n as f64 * fraction && coded < n {
+            record_bytes(coded)
+        } else {
+            1 + n
+        }
+    };
+    for h in &blocks {
+        let (t, bits) = best_table(huffman, h);
+        if let Some(sum) = sums.get_mut(t) {
+            for (x, &c) in sum.iter_mut().zip(h.iter()) {
+                *x += u64::from(c);
+            }
+        }
+        // the two halves' streams and the first one's length
+        huffman_bytes += keep(
+            h,
+            (bits.div_ceil(8) as usize).saturating_add(3),
+            max_coded_fraction,
+        );
+    }
+    let tables: Vec<Arc<rans::Table>> = sums
+        .iter()
+        .filter_map(rans::Table::from_counts)
+        .map(Arc::new)
+        .collect();
+    let mut rans_bytes: usize = tables.iter().map(|t| t.serialized_len()).sum();
+    for h in &blocks {
+        rans_bytes += best_rans(&tables, h).map_or(1 + raw(h), |(_, coded)| keep(h, coded, 1.0));
+    }
+    if rans_bytes < huffman_bytes {
+        tables
+    } else {
+        Vec::new()
+    }
+}
+
 fn encode_block(
     planes: &[u8],
     b: &BlockStats,
     e: usize,
     tables: &[Vec<CodeLengths>],
     encoders: &[Vec<Encoder>],
+    rans: &[Vec<Arc<rans::Table>>],
     opts: &EncodeOptions,
 ) -> Vec<u8> {
     let n = planes.len() / e;
@@ -674,8 +773,19 @@ fn encode_block(
             out.extend_from_slice(&[MODE_CONST, v]);
             continue;
         }
+        let rs = rans.get(k).map_or(&[][..], Vec::as_slice);
         let coded: Option<(u8, Vec<u8>)> = match opts.coder {
-            Coder::SharedHuffman { .. } => {
+            _ if !rs.is_empty() => match b.hists.get(k).and_then(|h| best_rans(rs, h)) {
+                Some((t, len)) if len < n => {
+                    rs.get(t).map(|table| {
+                        let mut s = Vec::with_capacity(len + 8);
+                        table.encode(plane, &mut s);
+                        (MODE_RANS + t as u8, s)
+                    })
+                }
+                _ => None,
+            },
+            Coder::SharedHuffman { .. } | Coder::SharedRans { .. } => {
                 let ts = tables.get(k).map_or(&[][..], Vec::as_slice);
                 let h = b.hists.get(k);
                 match h.map(|h| best_table(ts, h)) {
@@ -700,7 +810,12 @@ fn encode_block(
                 .map(|s| (MODE_ZSTD, s)),
         };
         match coded {
-            Some((mode, s)) if s.len() + 6 <= budget => {
+            Some((mode, s)) if mode >= MODE_RANS && s.len() < n => {
+                out.push(mode);
+                put_varint(&mut out, s.len() as u64);
+                out.extend_from_slice(&s);
+            }
+            Some((mode, s)) if mode < MODE_RANS && s.len() + 6 <= budget => {
                 out.push(mode);
                 put_varint(&mut out, s.len() as u64);
                 out.extend_from_slice(&s);

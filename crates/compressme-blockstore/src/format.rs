@@ -22,9 +22,16 @@ use crate::{BlockStore, Error, Result, StoredBytes, ValueKind};
 
 /// First bytes of every serialized store.
 pub const MAGIC: [u8; 8] = *b"CMBLOCKS";
-/// The version this build writes; it reads versions listed in `SUPPORTED`.
+/// The version a store without rANS tables is written as; it reads versions listed in
+/// `SUPPORTED`.
 pub(crate) const VERSION: u16 = 1;
-const SUPPORTED: &str = "1";
+/// The version a store with a plane of rANS tables is written as: each plane's tables
+/// are preceded by a byte saying which kind they are.
+pub(crate) const VERSION_RANS: u16 = 2;
+const SUPPORTED: &str = "1, 2";
+/// Table kinds (version 2).
+const TABLES_HUFFMAN: u8 = 0;
+const TABLES_RANS: u8 = 1;
 /// Fixed part of the header.
 pub(crate) const FIXED_HEADER: usize = 32;
 /// The SHA-256 over everything before the payload.
@@ -45,6 +52,8 @@ pub(crate) const MODE_HUFFMAN: u8 = 16;
 /// `MODE_HUFFMAN_ROWS + t` codes each row of the plane as its own byte-aligned stream with
 /// table `t`, after a table of u16 row lengths, so a lookup decodes only the rows it asks for.
 pub(crate) const MODE_HUFFMAN_ROWS: u8 = 32;
+/// `MODE_RANS + t` codes a plane with shared rANS table `t` (version 2).
+pub(crate) const MODE_RANS: u8 = 48;
 
 pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
@@ -86,7 +95,10 @@ pub(crate) fn stored_bytes(s: &BlockStore) -> StoredBytes {
             .tables
             .iter()
             .map(|t| t.len().saturating_mul(TABLE_BYTES) as u64)
-            .fold(0, u64::saturating_add),
+            .chain(s.rans.iter().flatten().map(|t| t.serialized_len() as u64))
+            .fold(0, u64::saturating_add)
+            // version 2: a kind byte a plane
+            .saturating_add(if s.has_rans() { planes } else { 0 }),
         offsets: (s.digests.len() as u64).saturating_mul(4),
         digests: (s.digests.len() as u64).saturating_mul(32),
         payload: s.payload.len() as u64,
@@ -163,16 +175,28 @@ impl BlockStore {
     pub(crate) fn index_prefix(&self) -> Vec<u8> {
         let mut out = Vec::new();
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        let v2 = self.has_rans();
+        out.extend_from_slice(&if v2 { VERSION_RANS } else { VERSION }.to_le_bytes());
         out.push(self.kind.tag());
-        out.push(0); // flags: none defined in version 1
+        out.push(0); // flags: none defined in versions 1 and 2
         out.extend_from_slice(&(self.block_rows as u32).to_le_bytes());
         out.extend_from_slice(&self.rows.to_le_bytes());
         out.extend_from_slice(&(self.row_bytes as u64).to_le_bytes());
-        for plane in &self.tables {
-            out.push(plane.len() as u8);
-            for t in plane {
-                out.extend_from_slice(&t.to_nibbles());
+        for (plane, rans) in self.tables.iter().zip(&self.rans) {
+            if rans.is_empty() {
+                if v2 {
+                    out.push(TABLES_HUFFMAN);
+                }
+                out.push(plane.len() as u8);
+                for t in plane {
+                    out.extend_from_slice(&t.to_nibbles());
+                }
+            } else {
+                out.push(TABLES_RANS);
+                out.push(rans.len() as u8);
+                for t in rans {
+                    t.to_bytes(&mut out);
+                }
             }
         }
         for w in self.offsets.windows(2) {
@@ -222,7 +246,7 @@ impl BlockStore {
             return Err(Error::Malformed("not a block store (bad magic)".into()));
         }
         let version = u16::from_le_bytes(r.array::<2>("version")?);
-        if version != VERSION {
+        if version != VERSION && version != VERSION_RANS {
             return Err(Error::UnsupportedVersion {
                 found: version,
                 supported: SUPPORTED,
@@ -265,7 +289,14 @@ impl BlockStore {
             )));
         }
         let mut tables = Vec::with_capacity(e);
+        let mut rans = Vec::with_capacity(e);
         for plane in 0..e {
+            let kind = if version == VERSION_RANS {
+                let [kind] = r.array::<1>("table kind")?;
+                kind
+            } else {
+                TABLES_HUFFMAN
+            };
             let [count] = r.array::<1>("table count")?;
             if usize::from(count) > MAX_TABLES {
                 return Err(Error::Malformed(format!(
@@ -273,12 +304,40 @@ impl BlockStore {
                 )));
             }
             let mut ts = Vec::with_capacity(usize::from(count));
-            for _ in 0..count {
-                ts.push(CodeLengths::from_nibbles(
-                    r.take(TABLE_BYTES, "code table")?,
-                )?);
+            let mut rs = Vec::with_capacity(usize::from(count));
+            match kind {
+                TABLES_HUFFMAN => {
+                    for _ in 0..count {
+                        ts.push(CodeLengths::from_nibbles(
+                            r.take(TABLE_BYTES, "code table")?,
+                        )?);
+                    }
+                }
+                TABLES_RANS if count > 0 => {
+                    for _ in 0..count {
+                        rs.push(std::sync::Arc::new(crate::rans::Table::read(
+                            r.bytes, &mut r.pos,
+                        )?));
+                    }
+                }
+                TABLES_RANS => {
+                    return Err(Error::Malformed(format!(
+                        "plane {plane} says rANS tables but has none"
+                    )));
+                }
+                other => {
+                    return Err(Error::Malformed(format!(
+                        "plane {plane} has unknown table kind {other}"
+                    )));
+                }
             }
             tables.push(ts);
+            rans.push(rs);
+        }
+        if version == VERSION_RANS && rans.iter().all(Vec::is_empty) {
+            return Err(Error::Malformed(
+                "version 2 store without rANS tables (written as version 1)".into(),
+            ));
         }
         let nb = num_blocks(rows, block_rows);
         // cap before allocating: the index alone needs 36 bytes per block
@@ -351,6 +410,7 @@ impl BlockStore {
             block_rows,
             decoders: decoders_for(&tables),
             tables,
+            rans,
             offsets,
             digests,
             index_digest: expected,
@@ -359,6 +419,11 @@ impl BlockStore {
             lazy: false,
         };
         Ok(store)
+    }
+
+    /// Whether a plane has rANS tables (the store is then version 2).
+    pub(crate) fn has_rans(&self) -> bool {
+        self.rans.iter().any(|r| !r.is_empty())
     }
 
     /// The coded bytes of one block.

@@ -44,6 +44,7 @@ mod encode;
 mod error;
 mod format;
 mod huffman;
+mod rans;
 
 pub use decode::Decoder;
 pub use error::{Error, Result, hex};
@@ -122,6 +123,19 @@ pub enum Coder {
     /// blocks of the tensor (blocks are clustered by their byte histograms, each block picks
     /// the table that codes it shortest). The default, with 4 tables.
     SharedHuffman {
+        /// 1..=16 tables per plane.
+        max_tables: u8,
+    },
+    /// Up to `max_tables` tables per plane shared across the tensor, as `SharedHuffman`,
+    /// where each plane is coded with rANS frequency tables instead of Huffman code
+    /// lengths whenever that stores it in fewer bytes, tables included: a fraction of a
+    /// bit a symbol is spent where Huffman spends whole bits (about 0.03 bits a symbol on
+    /// an exponent plane), and near-uniform mantissa planes, which Huffman stores raw, are
+    /// coded close to their entropy. A store with a rANS plane is block store version 2;
+    /// rANS decodes more slowly than Huffman (one table lookup a symbol). A rANS plane is
+    /// kept whenever it is smaller than the raw plane (`max_coded_fraction` applies to
+    /// Huffman planes). Row-indexed stores keep Huffman tables.
+    SharedRans {
         /// 1..=16 tables per plane.
         max_tables: u8,
     },
@@ -229,6 +243,9 @@ pub struct BlockStore {
     pub(crate) tables: Vec<Vec<huffman::CodeLengths>>,
     /// Per plane, decoders built from `tables` (derived, not stored).
     pub(crate) decoders: Vec<Vec<std::sync::Arc<huffman::Decoder>>>,
+    /// Per plane, the shared rANS tables (version 2); a plane has Huffman tables or
+    /// rANS tables, never both.
+    pub(crate) rans: Vec<Vec<std::sync::Arc<rans::Table>>>,
     /// `n_blocks + 1` offsets into `payload`; they tile it exactly.
     pub(crate) offsets: Vec<usize>,
     pub(crate) digests: Vec<[u8; 32]>,

@@ -19,6 +19,8 @@ fn coder() -> impl Strategy<Value = (Coder, bool)> {
     prop_oneof![
         (1u8..=4, any::<bool>())
             .prop_map(|(max_tables, row_index)| (Coder::SharedHuffman { max_tables }, row_index)),
+        (1u8..=4, any::<bool>())
+            .prop_map(|(max_tables, row_index)| (Coder::SharedRans { max_tables }, row_index)),
         (1i32..=3).prop_map(|level| (Coder::Zstd { level }, false)),
     ]
 }
