@@ -303,7 +303,7 @@ impl Table {
                     let wi = ws
                         .get(p.wrapping_add(i))
                         .map_or(0, |w| u64::from(u16::from_le_bytes(*w)));
-                    acc | wi.wrapping_shl(16 * i as u32)
+                    acc | wi.wrapping_shl((i as u32).wrapping_mul(16))
                 }),
             };
             let (s0, v0) = unrenormed(slots, x0);
