@@ -379,8 +379,10 @@ fn spec_check(args: &[String]) -> Result<(), String> {
         }
         run(&mut cmd)
     };
-    let cases: [&[&str]; 7] = [
+    let cases: [&[&str]; 8] = [
+        // the default coder: block store version 2 (rANS tables) for every tensor here
         &["--lossless"],
+        &["--lossless", "--coder", "huffman", "--block-rows", "16"],
         &["--lossless", "--row-index"],
         &["--lossless", "--zstd-level", "3"],
         &["--lossless", "--format", "nf4-g32", "--keep", "embeddings"],
@@ -416,8 +418,9 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             }
         }
     }
-    // a format added within version 2, frozen as first written
+    // a format added within version 2, and block store version 2, frozen as first written
     decode(&root.join("fixtures/artifact/v2/int8_g32.cma"), None)?;
+    decode(&root.join("fixtures/artifact/v2/rans.cma"), None)?;
     std::fs::remove_dir_all(&work).map_err(|e| e.to_string())?;
     println!("spec check: decode.py agrees with the Rust reader on every storage kind");
     Ok(())

@@ -1027,3 +1027,64 @@ fn unpack_refuses_a_corrupt_block_and_leaves_nothing() {
     assert!(v.contains("emb.weight") && v.contains("block"), "{v}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+fn write_rans_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    let tensors = vec![
+        (
+            "a.weight".to_string(),
+            Dtype::F32,
+            vec![96, 40],
+            weights(96 * 40, 21),
+        ),
+        (
+            "b.weight".to_string(),
+            Dtype::Bf16,
+            vec![80, 64],
+            bf16(&weights(80 * 64, 22)),
+        ),
+    ];
+    let mut w = Writer::create(path).unwrap();
+    for (name, dtype, shape, bytes) in &tensors {
+        w.add_lossless(name, *dtype, shape, bytes, 32, Coder::SharedRans { max_tables: 4 })
+            .unwrap();
+    }
+    w.finish().unwrap();
+    tensors
+}
+
+/// Lossless tensors in block store version 2 (rANS tables) inside artifact version 2, as
+/// first written, stay readable forever, and today's writer still writes the same recipe
+/// and payloads. Regenerate only with `COMPRESSME_BLESS=1` when the file is missing.
+#[test]
+fn frozen_rans_fixture() {
+    let frozen = fixture_dir(2).join("rans.cma");
+    if std::env::var_os("COMPRESSME_BLESS").is_some() && !frozen.exists() {
+        write_rans_sample(&frozen);
+    }
+    let fresh = tmp("rans").join("fresh.cma");
+    let tensors = write_rans_sample(&fresh);
+    let a = Artifact::open(&frozen, &Limits::default()).unwrap();
+    let s = a.verify().unwrap();
+    assert_eq!((s.tensors, s.lossless), (2, 2));
+    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
+    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
+    r1.tool.clone_from(&r2.tool);
+    assert_eq!(
+        r1, r2,
+        "writer output changed: a format change needs a new version"
+    );
+    assert_eq!(a.entries(), today.entries());
+    let bytes = std::fs::read(&frozen).unwrap();
+    for (name, _, _, want) in &tensors {
+        let t = a.recipe().tensors.iter().find(|t| &t.name == name).unwrap();
+        let ok = matches!(&t.storage, compressme_artifact::StorageRecipe::Lossless { coder, .. } if coder == "rans");
+        assert!(ok, "{:?}", t.storage);
+        let (got, exact) = a.read_tensor(name).unwrap();
+        assert!(exact);
+        assert_eq!(&got, want, "{name}");
+    }
+    // both stores are block store version 2: "CMBLOCKS" then version 2
+    let v2 = bytes.windows(10).filter(|w| w == b"CMBLOCKS\x02\x00").count();
+    assert_eq!(v2, 2);
+    std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
+}
