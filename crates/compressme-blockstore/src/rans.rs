@@ -44,6 +44,10 @@ pub(crate) struct Table {
     slots: Box<[u32; TOTAL as usize]>,
     /// Cost of each symbol in 1/65536 bits (`u32::MAX` when it has no frequency).
     cost: [u32; 256],
+    /// Per symbol, the multiplier and shift that divide a state by its frequency
+    /// (`floor(x / f) = (x * m) >> shift` for every 32-bit `x`; Granlund and Montgomery's
+    /// round-up method), so the encoder does not divide.
+    recip: [(u64, u32); 256],
 }
 
 impl std::fmt::Debug for Table {
@@ -144,11 +148,22 @@ impl Table {
             }
             at = at.wrapping_add(fs);
         }
+        let recip = freq.map(|f| {
+            let f = u64::from(f.max(1));
+            // l = ceil(log2 f); m = floor(2^(32 + l) / f) + 1 < 2^33
+            let l = 64u32.saturating_sub(f.saturating_sub(1).leading_zeros());
+            let m = (1u64 << 32u32.saturating_add(l))
+                .checked_div(f)
+                .unwrap_or(0)
+                .saturating_add(1);
+            (m, 32u32.saturating_add(l))
+        });
         Some(Self {
             freq,
             cum,
             slots,
             cost,
+            recip,
         })
     }
 
@@ -239,6 +254,7 @@ impl Table {
             let s = usize::from(s);
             let f = u32::from(self.freq.get(s).copied().unwrap_or(0)).max(1);
             let c = u32::from(self.cum.get(s).copied().unwrap_or(0));
+            let (m, shift) = self.recip.get(s).copied().unwrap_or((0, 0));
             if let Some(xj) = x.get_mut(i % STATES) {
                 let mut v = *xj;
                 // keep the state below f * 2^20 so that it stays below 2^32 after coding
@@ -247,7 +263,8 @@ impl Table {
                     words.push(v as u16);
                     v = v.wrapping_shr(16);
                 }
-                let (q, r) = (v.checked_div(f).unwrap_or(0), v.checked_rem(f).unwrap_or(0));
+                let q = (u128::from(v).wrapping_mul(u128::from(m)) >> shift) as u32;
+                let r = v.wrapping_sub(q.wrapping_mul(f));
                 *xj = q.wrapping_shl(SCALE_BITS).wrapping_add(r).wrapping_add(c);
             }
         }
@@ -270,6 +287,26 @@ impl Table {
     /// stream that runs out, and (when `exact`) bytes left over or states not at their
     /// start.
     pub(crate) fn decode(&self, stream: &[u8], out: &mut [u8], exact: bool) -> Result<()> {
+        let mut a = Lanes::new(self, stream)?;
+        let mut quads = out.chunks_exact_mut(STATES);
+        for q in &mut quads {
+            a.quad(q);
+        }
+        a.rest(quads.into_remainder());
+        a.finish(exact)
+    }
+}
+
+/// The decoding state of one stream: four states, the words and the next word's index.
+struct Lanes<'a> {
+    x: [u32; STATES],
+    p: usize,
+    ws: &'a [[u8; 2]],
+    slots: &'a [u32; TOTAL as usize],
+}
+
+impl<'a> Lanes<'a> {
+    fn new(table: &'a Table, stream: &'a [u8]) -> Result<Self> {
         let bad = |m: &str| Error::Malformed(format!("rANS stream: {m}"));
         let (head, words) = stream
             .split_at_checked(STATE_BYTES)
@@ -287,60 +324,79 @@ impl Table {
                 return Err(bad("a state below 2^16"));
             }
         }
-        let (ws, _) = words.as_chunks::<2>();
-        let nwords = ws.len();
-        let mut p = 0usize;
-        let slots = &*self.slots;
-        let [mut x0, mut x1, mut x2, mut x3] = x;
-        let flat = ws.as_flattened();
-        let mut quads = out.chunks_exact_mut(STATES);
-        for q in &mut quads {
-            // the four words this quad may take, read before its states are known, so the
-            // read is off the states' dependency chain (a word past the end reads as 0)
-            let w = match flat.get(p.wrapping_mul(2)..p.wrapping_mul(2).wrapping_add(8)) {
-                Some(&[a, b, c, d, e, f, g, h]) => u64::from_le_bytes([a, b, c, d, e, f, g, h]),
-                _ => (0..4).fold(0u64, |acc, i| {
-                    let wi = ws
-                        .get(p.wrapping_add(i))
-                        .map_or(0, |w| u64::from(u16::from_le_bytes(*w)));
-                    acc | wi.wrapping_shl((i as u32).wrapping_mul(16))
-                }),
-            };
-            let (s0, v0) = unrenormed(slots, x0);
-            let (s1, v1) = unrenormed(slots, x1);
-            let (s2, v2) = unrenormed(slots, x2);
-            let (s3, v3) = unrenormed(slots, x3);
-            let (n0, n1, n2, n3) = (
-                u32::from(v0 < LOW),
-                u32::from(v1 < LOW),
-                u32::from(v2 < LOW),
-                u32::from(v3 < LOW),
-            );
-            // state j takes the word after those the states before it took
-            let (k1, k2) = (n0, n0.wrapping_add(n1));
-            let k3 = k2.wrapping_add(n2);
-            let word = |k: u32| (w.wrapping_shr(k << 4) as u32) & 0xffff;
-            x0 = refill(v0, n0, word(0));
-            x1 = refill(v1, n1, word(k1));
-            x2 = refill(v2, n2, word(k2));
-            x3 = refill(v3, n3, word(k3));
-            p = p.wrapping_add(k3.wrapping_add(n3) as usize);
-            if let [a, b, c, d] = q {
-                (*a, *b, *c, *d) = (s0, s1, s2, s3);
-            }
+        Ok(Self {
+            x,
+            p: 0,
+            ws: words.as_chunks::<2>().0,
+            slots: &table.slots,
+        })
+    }
+
+    /// Four symbols, one from each state (`q` is 4 bytes long).
+    #[inline(always)]
+    fn quad(&mut self, q: &mut [u8]) {
+        let p = self.p;
+        // the four words this quad may take, read before its states are known, so the
+        // read is off the states' dependency chain (a word past the end reads as 0)
+        let flat = self.ws.as_flattened();
+        let w = match flat.get(p.wrapping_mul(2)..p.wrapping_mul(2).wrapping_add(8)) {
+            Some(&[a, b, c, d, e, f, g, h]) => u64::from_le_bytes([a, b, c, d, e, f, g, h]),
+            _ => (0..4).fold(0u64, |acc, i| {
+                let wi = self
+                    .ws
+                    .get(p.wrapping_add(i))
+                    .map_or(0, |w| u64::from(u16::from_le_bytes(*w)));
+                acc | wi.wrapping_shl((i as u32).wrapping_mul(16))
+            }),
+        };
+        let [x0, x1, x2, x3] = self.x;
+        let (s0, v0) = unrenormed(self.slots, x0);
+        let (s1, v1) = unrenormed(self.slots, x1);
+        let (s2, v2) = unrenormed(self.slots, x2);
+        let (s3, v3) = unrenormed(self.slots, x3);
+        let (n0, n1, n2, n3) = (
+            u32::from(v0 < LOW),
+            u32::from(v1 < LOW),
+            u32::from(v2 < LOW),
+            u32::from(v3 < LOW),
+        );
+        // state j takes the word after those the states before it took
+        let (k1, k2) = (n0, n0.wrapping_add(n1));
+        let k3 = k2.wrapping_add(n2);
+        let word = |k: u32| (w.wrapping_shr(k << 4) as u32) & 0xffff;
+        self.x = [
+            refill(v0, n0, word(0)),
+            refill(v1, n1, word(k1)),
+            refill(v2, n2, word(k2)),
+            refill(v3, n3, word(k3)),
+        ];
+        self.p = p.wrapping_add(k3.wrapping_add(n3) as usize);
+        if let [a, b, c, d] = q {
+            (*a, *b, *c, *d) = (s0, s1, s2, s3);
         }
-        let mut x = [x0, x1, x2, x3];
-        for (o, xj) in quads.into_remainder().iter_mut().zip(x.iter_mut()) {
-            *o = step(slots, ws, xj, &mut p);
+    }
+
+    /// The last symbols (fewer than four), from states 0, 1, ...
+    fn rest(&mut self, out: &mut [u8]) {
+        for (o, xj) in out.iter_mut().zip(self.x.iter_mut()) {
+            *o = step(self.slots, self.ws, xj, &mut self.p);
         }
-        if p > nwords {
+    }
+
+    fn finish(&self, exact: bool) -> Result<()> {
+        let bad = |m: &str| Error::Malformed(format!("rANS stream: {m}"));
+        let nwords = self.ws.len();
+        if self.p > nwords {
             return Err(bad("runs out before its symbols"));
         }
         if exact {
-            if p != nwords {
-                return Err(bad(&format!("{} unused words", nwords.saturating_sub(p))));
+            if self.p != nwords {
+                return Err(bad(&format!(
+                    "{} unused words",
+                    nwords.saturating_sub(self.p)
+                )));
             }
-            if x.iter().any(|&xj| xj != LOW) {
+            if self.x.iter().any(|&xj| xj != LOW) {
                 return Err(bad("states do not return to their start"));
             }
         }
@@ -439,6 +495,37 @@ mod tests {
                 let bits = t.block_cost_bits(&hist(&data));
                 let body = (s.len() - STATE_BYTES) as u64 * 8;
                 assert!(body <= bits + 64 && bits <= body + 64, "{body} vs {bits}");
+            }
+        }
+    }
+
+    #[test]
+    fn reciprocals_divide_exactly() {
+        let mut c = [0u64; 256];
+        for (s, x) in c.iter_mut().enumerate() {
+            *x = 1 + (s as u64 * 7919) % 1000;
+        }
+        c[3] = 1 << 40;
+        let t = Table::from_counts(&c).unwrap();
+        let xs = [0u32, 1, 2, 4095, 4096, 65535, 65536, 1 << 31, u32::MAX - 1, u32::MAX]
+            .into_iter()
+            .chain(lcg(1_000, 3).map(|r| r as u32 ^ (r << 7) as u32));
+        for x in xs {
+            for f in 1..=4096u32 {
+                let fs = u64::from(f);
+                let l = 64 - (fs - 1).leading_zeros();
+                let m = (1u64 << (32 + l)) / fs + 1;
+                let q = ((u128::from(x) * u128::from(m)) >> (32 + l)) as u32;
+                if q != x / f {
+                    panic!("{x} / {f}: {q}");
+                }
+            }
+        }
+        // and the table's own
+        for (s, &(m, shift)) in t.recip.iter().enumerate() {
+            let f = u32::from(t.freq[s].max(1));
+            for x in [u32::MAX, 1 << 20, 12345] {
+                assert_eq!(((u128::from(x) * u128::from(m)) >> shift) as u32, x / f);
             }
         }
     }
