@@ -15,7 +15,9 @@ def f(x, nd=4):
 
 def coder_name(r):
     c = r["coder"]
-    name = c.replace("SharedHuffman { max_tables: ", "Huffman, ").replace("Zstd { level: ", "zstd ").rstrip(" }")
+    name = (c.replace("SharedHuffman { max_tables: ", "Huffman, ")
+            .replace("SharedRans { max_tables: ", "rANS or Huffman, ")
+            .replace("Zstd { level: ", "zstd ").rstrip(" }"))
     if "Huffman" in name:
         name += " table" if name.endswith(" 1") else " tables"
     return name + (", row index" if r.get("row_index") else "")

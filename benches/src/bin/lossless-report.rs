@@ -145,7 +145,7 @@ fn main() -> Result<(), String> {
     let mut seed = Vec::new();
     for (kind, data, row_bytes, size) in cases {
         for block_rows in if quick {
-            vec![64]
+            vec![16]
         } else {
             vec![4, 16, 64, 256]
         } {

@@ -3,9 +3,15 @@
 //! A `[rows, row_bytes]` byte matrix (an embedding table, any weight matrix) is cut into
 //! independent blocks of `block_rows` rows. Each block is transformed (the sign bit of each
 //! float moved next to the mantissa, so the exponent is a byte plane of its own), split into
-//! byte planes ([`compressme_shuffle`]), and each plane is stored in the cheapest of four
+//! byte planes ([`compressme_shuffle`]), and each plane is stored in the cheapest of five
 //! modes: raw, constant, Huffman-coded with one of a few code tables shared by the whole
-//! tensor, or a Zstandard frame. Each block is sealed with SHA-256.
+//! tensor, rANS-coded with one of a few shared frequency tables ([`Coder::SharedRans`]:
+//! smaller, slower to decode; a store with such a plane is format version 2), or a
+//! Zstandard frame. Each block is sealed with SHA-256.
+//!
+//! The library's defaults ([`EncodeOptions::new`]: 16-row blocks, Huffman tables) favour
+//! random access and decode speed (embedding lookups); `compressme pack` defaults to
+//! 64-row blocks and [`Coder::SharedRans`] for the smallest checkpoint files.
 //!
 //! Main types: [`BlockStore`] (encode, serialize, load, verify, decode rows),
 //! [`EncodeOptions`] with [`ValueKind`] and [`Coder`], [`StoredBytes`] (exact accounting),

@@ -249,20 +249,25 @@ impl Table {
     /// the renormalization words, u16 each, in the order a decoder reads them.
     pub(crate) fn encode(&self, symbols: &[u8], out: &mut Vec<u8>) {
         let mut x = [LOW; STATES];
-        let mut words: Vec<u16> = Vec::with_capacity(symbols.len() / 2);
+        // at most one word a symbol: written at `nw` every time and kept when needed, so a
+        // mantissa plane (a word about every other symbol) takes no unpredictable branch
+        let mut words = vec![0u16; symbols.len().saturating_add(1)];
+        let mut nw = 0usize;
         for (i, &s) in symbols.iter().enumerate().rev() {
             let s = usize::from(s);
             let f = u32::from(self.freq.get(s).copied().unwrap_or(0)).max(1);
             let c = u32::from(self.cum.get(s).copied().unwrap_or(0));
             let (m, shift) = self.recip.get(s).copied().unwrap_or((0, 0));
             if let Some(xj) = x.get_mut(i % STATES) {
-                let mut v = *xj;
+                let v = *xj;
                 // keep the state below f * 2^20 so that it stays below 2^32 after coding
                 // (in 64 bits: a symbol with the whole range has f * 2^20 = 2^32)
-                if u64::from(v) >= u64::from(f) << 20 {
-                    words.push(v as u16);
-                    v = v.wrapping_shr(16);
+                let need = u32::from(u64::from(v) >= u64::from(f) << 20);
+                if let Some(w) = words.get_mut(nw) {
+                    *w = v as u16;
                 }
+                nw = nw.wrapping_add(need as usize);
+                let v = v.wrapping_shr(need << 4);
                 let q = (u128::from(v).wrapping_mul(u128::from(m)) >> shift) as u32;
                 let r = v.wrapping_sub(q.wrapping_mul(f));
                 *xj = q.wrapping_shl(SCALE_BITS).wrapping_add(r).wrapping_add(c);
@@ -271,7 +276,8 @@ impl Table {
         for xj in x {
             out.extend_from_slice(&xj.to_le_bytes());
         }
-        out.reserve(words.len().saturating_mul(2));
+        words.truncate(nw);
+        out.reserve(nw.saturating_mul(2));
         for w in words.iter().rev() {
             out.extend_from_slice(&w.to_le_bytes());
         }
