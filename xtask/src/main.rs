@@ -380,9 +380,9 @@ fn spec_check(args: &[String]) -> Result<(), String> {
         run(&mut cmd)
     };
     let cases: [&[&str]; 8] = [
-        // the default coder: block store version 2 (rANS tables) for every tensor here
         &["--lossless"],
-        &["--lossless", "--coder", "huffman", "--block-rows", "16"],
+        // block store version 2 (rANS tables) for every lossless tensor here
+        &["--lossless", "--coder", "rans"],
         &["--lossless", "--row-index"],
         &["--lossless", "--zstd-level", "3"],
         &["--lossless", "--format", "nf4-g32", "--keep", "embeddings"],

@@ -1045,8 +1045,15 @@ fn write_rans_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
     ];
     let mut w = Writer::create(path).unwrap();
     for (name, dtype, shape, bytes) in &tensors {
-        w.add_lossless(name, *dtype, shape, bytes, 32, Coder::SharedRans { max_tables: 4 })
-            .unwrap();
+        w.add_lossless(
+            name,
+            *dtype,
+            shape,
+            bytes,
+            32,
+            Coder::SharedRans { max_tables: 4 },
+        )
+        .unwrap();
     }
     w.finish().unwrap();
     tensors
@@ -1084,7 +1091,10 @@ fn frozen_rans_fixture() {
         assert_eq!(&got, want, "{name}");
     }
     // both stores are block store version 2: "CMBLOCKS" then version 2
-    let v2 = bytes.windows(10).filter(|w| w == b"CMBLOCKS\x02\x00").count();
+    let v2 = bytes
+        .windows(10)
+        .filter(|w| w == b"CMBLOCKS\x02\x00")
+        .count();
     assert_eq!(v2, 2);
     std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
 }

@@ -262,7 +262,9 @@ impl<'s> Decoder<'s> {
                         .ok_or_else(|| bad("rANS plane runs past the block"))?;
                     pos = pos.saturating_add(len);
                     let table = s.rans.get(k).and_then(|ts| ts.get(t)).ok_or_else(|| {
-                        bad(&format!("plane {k} names rANS table {t}, which does not exist"))
+                        bad(&format!(
+                            "plane {k} names rANS table {t}, which does not exist"
+                        ))
                     })?;
                     // one stream over the plane: decoded up to the last row needed
                     let upto = need.min(rows).saturating_mul(re);

@@ -681,7 +681,14 @@ pub(crate) fn decoders_for(tables: &[Vec<CodeLengths>]) -> Vec<Vec<Arc<Decoder>>
 
 /// Bytes a plane record with a coded body of `body` bytes takes: mode, LEB128, body.
 fn record_bytes(body: usize) -> usize {
-    1 + body + if body < 1 << 7 { 1 } else if body < 1 << 14 { 2 } else { 3 }
+    1 + body
+        + if body < 1 << 7 {
+            1
+        } else if body < 1 << 14 {
+            2
+        } else {
+            3
+        }
 }
 
 /// The cheaper rANS table for one block's plane, with the bytes its stream takes.
@@ -776,13 +783,11 @@ fn encode_block(
         let rs = rans.get(k).map_or(&[][..], Vec::as_slice);
         let coded: Option<(u8, Vec<u8>)> = match opts.coder {
             _ if !rs.is_empty() => match b.hists.get(k).and_then(|h| best_rans(rs, h)) {
-                Some((t, len)) if len < n => {
-                    rs.get(t).map(|table| {
-                        let mut s = Vec::with_capacity(len + 8);
-                        table.encode(plane, &mut s);
-                        (MODE_RANS + t as u8, s)
-                    })
-                }
+                Some((t, len)) if len < n => rs.get(t).map(|table| {
+                    let mut s = Vec::with_capacity(len + 8);
+                    table.encode(plane, &mut s);
+                    (MODE_RANS + t as u8, s)
+                }),
                 _ => None,
             },
             Coder::SharedHuffman { .. } | Coder::SharedRans { .. } => {

@@ -11,7 +11,8 @@
 //!
 //! The library's defaults ([`EncodeOptions::new`]: 16-row blocks, Huffman tables) favour
 //! random access and decode speed (embedding lookups); `compressme pack` defaults to
-//! 64-row blocks and [`Coder::SharedRans`] for the smallest checkpoint files.
+//! 64-row blocks (fewer digests a byte) with Huffman tables, and `pack --coder rans` asks
+//! for [`Coder::SharedRans`]: the smallest files, slower to read.
 //!
 //! Main types: [`BlockStore`] (encode, serialize, load, verify, decode rows),
 //! [`EncodeOptions`] with [`ValueKind`] and [`Coder`], [`StoredBytes`] (exact accounting),

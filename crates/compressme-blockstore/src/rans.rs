@@ -128,7 +128,11 @@ impl Table {
         let mut slots = Box::new([0u32; TOTAL as usize]);
         let mut cost = [u32::MAX; 256];
         let mut at = 0u32;
-        for (s, ((&fs, c), k)) in freq.iter().zip(cum.iter_mut()).zip(cost.iter_mut()).enumerate()
+        for (s, ((&fs, c), k)) in freq
+            .iter()
+            .zip(cum.iter_mut())
+            .zip(cost.iter_mut())
+            .enumerate()
         {
             *c = u16::try_from(at).unwrap_or(0);
             let fs = u32::from(fs);
@@ -216,7 +220,10 @@ impl Table {
             }
             let v = get_varint(bytes, pos).map_err(|e| bad(e.to_string()))?;
             if v >= TOTAL as usize {
-                return Err(bad(format!("symbol {s} has frequency {} > 4096", v.saturating_add(1))));
+                return Err(bad(format!(
+                    "symbol {s} has frequency {} > 4096",
+                    v.saturating_add(1)
+                )));
             }
             // v < 4096
             *f = u16::try_from(v.saturating_add(1)).unwrap_or(0);
@@ -434,7 +441,10 @@ fn step(slots: &[u32; TOTAL as usize], ws: &[[u8; 2]], x: &mut u32, p: &mut usiz
 fn unrenormed(slots: &[u32; TOTAL as usize], x: u32) -> (u8, u32) {
     let e = slots[(x & (TOTAL - 1)) as usize];
     let f = ((e >> 8) & 0xfff).wrapping_add(1);
-    (e as u8, f.wrapping_mul(x >> SCALE_BITS).wrapping_add(e >> 20))
+    (
+        e as u8,
+        f.wrapping_mul(x >> SCALE_BITS).wrapping_add(e >> 20),
+    )
 }
 
 /// `v` with word `w` shifted in when `need` is 1 (branch-free).
@@ -452,7 +462,11 @@ fn wide32(f: &[u32; 256], s: usize) -> u128 {
 }
 
 #[cfg(test)]
-#[allow(clippy::indexing_slicing, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+#[allow(
+    clippy::indexing_slicing,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects
+)]
 mod tests {
     use super::*;
 
@@ -471,7 +485,9 @@ mod tests {
     fn lcg(n: usize, seed: u64) -> impl Iterator<Item = u64> {
         let mut s = seed;
         (0..n).map(move |_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             s >> 33
         })
     }
@@ -513,9 +529,20 @@ mod tests {
         }
         c[3] = 1 << 40;
         let t = Table::from_counts(&c).unwrap();
-        let xs = [0u32, 1, 2, 4095, 4096, 65535, 65536, 1 << 31, u32::MAX - 1, u32::MAX]
-            .into_iter()
-            .chain(lcg(1_000, 3).map(|r| r as u32 ^ (r << 7) as u32));
+        let xs = [
+            0u32,
+            1,
+            2,
+            4095,
+            4096,
+            65535,
+            65536,
+            1 << 31,
+            u32::MAX - 1,
+            u32::MAX,
+        ]
+        .into_iter()
+        .chain(lcg(1_000, 3).map(|r| r as u32 ^ (r << 7) as u32));
         for x in xs {
             for f in 1..=4096u32 {
                 let fs = u64::from(f);
@@ -617,7 +644,11 @@ mod tests {
                 caught += 1;
             }
         }
-        assert_eq!(caught, s.len(), "every flipped byte changes the result or fails");
+        assert_eq!(
+            caught,
+            s.len(),
+            "every flipped byte changes the result or fails"
+        );
     }
 }
 
@@ -636,12 +667,16 @@ mod speed {
     fn rans_decode_speed() {
         let mut s = 1u64;
         let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (s >> 33) as f64 / (1u64 << 31) as f64
         };
         let n = 1 << 22;
         let mant: Vec<u8> = (0..n).map(|_| (next().powf(1.15) * 256.0) as u8).collect();
-        let expo: Vec<u8> = (0..n).map(|_| (118.0 + (next() * 1e-3).ln().max(-12.0)) as u8).collect();
+        let expo: Vec<u8> = (0..n)
+            .map(|_| (118.0 + (next() * 1e-3).ln().max(-12.0)) as u8)
+            .collect();
         for (name, data) in [("mantissa", &mant), ("exponent", &expo)] {
             let mut c = [0u64; 256];
             data.iter().for_each(|&b| c[usize::from(b)] += 1);

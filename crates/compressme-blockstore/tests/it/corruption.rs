@@ -254,7 +254,14 @@ proptest! {
 #[test]
 fn rans_store_corruption_is_an_error_not_a_panic() {
     let data = weights_f32(96, 32, 8);
-    let s = store(&data, 96, 128, ValueKind::F32, 32, Coder::SharedRans { max_tables: 2 });
+    let s = store(
+        &data,
+        96,
+        128,
+        ValueKind::F32,
+        32,
+        Coder::SharedRans { max_tables: 2 },
+    );
     let bytes = s.to_bytes();
     assert_eq!(&bytes[8..10], &2u16.to_le_bytes(), "a version 2 store");
     let payload_start = bytes.len() - s.stored_bytes().payload as usize;
@@ -262,7 +269,10 @@ fn rans_store_corruption_is_an_error_not_a_panic() {
     for i in 0..bytes.len() {
         let mut b = bytes.clone();
         b[i] ^= 0x24;
-        assert!(BlockStore::from_bytes(&b).is_err(), "byte {i} flipped was accepted");
+        assert!(
+            BlockStore::from_bytes(&b).is_err(),
+            "byte {i} flipped was accepted"
+        );
         if i >= payload_start {
             let shared: compressme_blockstore::SharedBytes = std::sync::Arc::new(b);
             let mut lazy = BlockStore::from_shared(shared).unwrap();
@@ -275,5 +285,8 @@ fn rans_store_corruption_is_an_error_not_a_panic() {
     // without the digests, only flips in a Huffman stream's zero padding bits (which the
     // decoder does not check) give the data back; every rANS stream byte matters
     // (`rans::tests::damaged_streams_are_errors_not_panics`); the digests catch them all
-    assert!(unchecked <= 2 * s.num_blocks(), "{unchecked} flips undetected");
+    assert!(
+        unchecked <= 2 * s.num_blocks(),
+        "{unchecked} flips undetected"
+    );
 }

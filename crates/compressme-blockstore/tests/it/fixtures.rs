@@ -86,8 +86,16 @@ fn v2_fixtures_decode_forever() {
     let bf16: Vec<u8> = f32s.chunks_exact(4).flat_map(|c| [c[2], c[3]]).collect();
     let rans = Coder::SharedRans { max_tables: 4 };
     let cases = [
-        ("f32_rans.cmbs", f32s.clone(), store(&f32s, 200, 128, ValueKind::F32, 64, rans)),
-        ("bf16_rans.cmbs", bf16.clone(), store(&bf16, 200, 64, ValueKind::Bf16, 64, rans)),
+        (
+            "f32_rans.cmbs",
+            f32s.clone(),
+            store(&f32s, 200, 128, ValueKind::F32, 64, rans),
+        ),
+        (
+            "bf16_rans.cmbs",
+            bf16.clone(),
+            store(&bf16, 200, 64, ValueKind::Bf16, 64, rans),
+        ),
     ];
     for (name, data, fresh) in cases {
         let path = dir.join(name);
@@ -96,9 +104,17 @@ fn v2_fixtures_decode_forever() {
             std::fs::write(&path, fresh.to_bytes()).unwrap();
         }
         let frozen = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        assert_eq!(&frozen[8..10], &2u16.to_le_bytes(), "{name} is a version 2 store");
+        assert_eq!(
+            &frozen[8..10],
+            &2u16.to_le_bytes(),
+            "{name} is a version 2 store"
+        );
         // today's encoder writes the same bytes
-        assert_eq!(fresh.to_bytes(), frozen, "{name}: the encoder's output changed");
+        assert_eq!(
+            fresh.to_bytes(),
+            frozen,
+            "{name}: the encoder's output changed"
+        );
         let s = BlockStore::from_bytes(&frozen).unwrap();
         assert_eq!(s.decode_all().unwrap(), data, "{name}");
         let mut bad = frozen.clone();

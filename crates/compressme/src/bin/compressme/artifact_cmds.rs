@@ -62,11 +62,11 @@ pub(crate) struct PackArgs {
     /// framing, and is the unit a lookup decodes.
     #[arg(long, default_value_t = 64)]
     pub(crate) block_rows: usize,
-    /// Entropy coder of lossless planes: `rans` (each plane with rANS frequency tables
-    /// where they store it in fewer bytes than Huffman code tables: the smallest files,
-    /// slower to decode) or `huffman` (Huffman code tables only: block store version 1,
-    /// decodes 3-5x faster in the codec, about 0.3-0.5% of dense bytes larger).
-    #[arg(long, value_enum, default_value_t = EntropyCoder::Rans)]
+    /// Entropy coder of lossless planes: `huffman` (Huffman code tables: block store
+    /// version 1, the fastest to decode) or `rans` (each plane with rANS frequency tables
+    /// where they store it in fewer bytes: the smallest files, 0.2-0.5% of the dense bytes
+    /// smaller, and 4-6x slower to decode in the codec, 2-3x slower to unpack).
+    #[arg(long, value_enum, default_value_t = EntropyCoder::Huffman)]
     pub(crate) coder: EntropyCoder,
     /// Code lossless planes with Zstandard at this level instead of shared tables.
     #[arg(long)]
