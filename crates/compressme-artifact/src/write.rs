@@ -100,7 +100,7 @@ enum Part<'a> {
     Bytes(Cow<'a, [u8]>),
     Shared(SharedBytes),
     /// A block store's serialized index, then its payload (never copied).
-    Store(Vec<u8>, BlockStore),
+    Store(Vec<u8>, Box<BlockStore>),
 }
 
 /// A tensor ready to be written ([`Writer::prepare`], [`Writer::prepare_packed`]): its
@@ -519,7 +519,7 @@ impl Writer {
                             shape: vec![blob_len],
                             len: blob_len as u64,
                         },
-                        Part::Store(index, store),
+                        Part::Store(index, Box::new(store)),
                     )],
                     tensor: TensorRecipe {
                         name: name.into(),

@@ -434,7 +434,33 @@ fn frozen_v2_fixtures() {
 
 /// The `int8-gG` formats (added to version 2 in stop 22): an f32 matrix whose rows end in a
 /// short group, and a bf16 one, both at groups of 32.
-fn write_int8_block_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+type Sample = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+
+/// Opens the frozen version-2 fixture `name` (written by `write` only when it is missing
+/// and `COMPRESSME_BLESS=1`), writes the sample again with today's writer, and checks both
+/// have the same recipe (which seals every payload's digest) and entries. Returns the
+/// frozen artifact, the sample's tensors and today's file (its folder is the caller's to
+/// remove).
+fn frozen_matches_today(name: &str, write: fn(&Path) -> Sample) -> (Artifact, Sample, PathBuf) {
+    let frozen = fixture_dir(2).join(name);
+    if std::env::var_os("COMPRESSME_BLESS").is_some() && !frozen.exists() {
+        write(&frozen);
+    }
+    let fresh = tmp(name.trim_end_matches(".cma")).join("fresh.cma");
+    let tensors = write(&fresh);
+    let a = Artifact::open(&frozen, &Limits::default()).unwrap();
+    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
+    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
+    r1.tool.clone_from(&r2.tool);
+    assert_eq!(
+        r1, r2,
+        "writer output changed: a format change needs a new version"
+    );
+    assert_eq!(a.entries(), today.entries());
+    (a, tensors, fresh)
+}
+
+fn write_int8_block_sample(path: &Path) -> Sample {
     let finite = |mut b: Vec<u8>| {
         for c in b.chunks_exact_mut(4) {
             if !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite() {
@@ -476,24 +502,9 @@ fn write_int8_block_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u
 /// the same recipe and payloads. Regenerate only with `COMPRESSME_BLESS=1` when the file is missing.
 #[test]
 fn frozen_int8_block_fixture() {
-    let frozen = fixture_dir(2).join("int8_g32.cma");
-    if std::env::var_os("COMPRESSME_BLESS").is_some() && !frozen.exists() {
-        write_int8_block_sample(&frozen);
-    }
-    let fresh = tmp("int8-block").join("fresh.cma");
-    let tensors = write_int8_block_sample(&fresh);
-    let a = Artifact::open(&frozen, &Limits::default()).unwrap();
+    let (a, tensors, fresh) = frozen_matches_today("int8_g32.cma", write_int8_block_sample);
     let s = a.verify().unwrap();
     assert_eq!((s.tensors, s.quantized), (2, 2));
-    // the recipe seals each payload's digest: equal recipes, equal payloads
-    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
-    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
-    r1.tool.clone_from(&r2.tool);
-    assert_eq!(
-        r1, r2,
-        "writer output changed: a format change needs a new version"
-    );
-    assert_eq!(a.entries(), today.entries());
     for (name, dtype, shape, bytes) in &tensors {
         let t = a.recipe().tensors.iter().find(|t| &t.name == name).unwrap();
         assert_eq!(t.shape, *shape);
@@ -1028,7 +1039,7 @@ fn unpack_refuses_a_corrupt_block_and_leaves_nothing() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-fn write_rans_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+fn write_rans_sample(path: &Path) -> Sample {
     let tensors = vec![
         (
             "a.weight".to_string(),
@@ -1064,24 +1075,10 @@ fn write_rans_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
 /// and payloads. Regenerate only with `COMPRESSME_BLESS=1` when the file is missing.
 #[test]
 fn frozen_rans_fixture() {
-    let frozen = fixture_dir(2).join("rans.cma");
-    if std::env::var_os("COMPRESSME_BLESS").is_some() && !frozen.exists() {
-        write_rans_sample(&frozen);
-    }
-    let fresh = tmp("rans").join("fresh.cma");
-    let tensors = write_rans_sample(&fresh);
-    let a = Artifact::open(&frozen, &Limits::default()).unwrap();
+    let (a, tensors, fresh) = frozen_matches_today("rans.cma", write_rans_sample);
     let s = a.verify().unwrap();
     assert_eq!((s.tensors, s.lossless), (2, 2));
-    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
-    let (mut r1, r2) = (a.recipe().clone(), today.recipe().clone());
-    r1.tool.clone_from(&r2.tool);
-    assert_eq!(
-        r1, r2,
-        "writer output changed: a format change needs a new version"
-    );
-    assert_eq!(a.entries(), today.entries());
-    let bytes = std::fs::read(&frozen).unwrap();
+    let bytes = std::fs::read(fixture_dir(2).join("rans.cma")).unwrap();
     for (name, _, _, want) in &tensors {
         let t = a.recipe().tensors.iter().find(|t| &t.name == name).unwrap();
         let ok = matches!(&t.storage, compressme_artifact::StorageRecipe::Lossless { coder, .. } if coder == "rans");

@@ -64,17 +64,22 @@ fn v1_fixtures_decode_forever() {
             std::fs::write(&path, fresh.to_bytes()).unwrap();
         }
         let frozen = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let s = BlockStore::from_bytes(&frozen).unwrap();
-        assert_eq!(s.decode_all().unwrap(), data, "{name}");
-        // corrupt variant: the last byte of the payload flipped
-        let mut bad = frozen.clone();
-        *bad.last_mut().unwrap() ^= 0x01;
-        let last_block = s.num_blocks() - 1;
-        let Err(Error::ChecksumMismatch { block, .. }) = BlockStore::from_bytes(&bad) else {
-            panic!("{name}: the corrupt variant was accepted or misreported");
-        };
-        assert_eq!(block, last_block, "{name}");
+        decodes_and_refuses_its_corrupt_variant(name, &frozen, &data);
     }
+}
+
+/// A frozen store decodes to `data`, and with the last payload byte flipped (its corrupt
+/// variant) it is refused, naming the last block.
+fn decodes_and_refuses_its_corrupt_variant(name: &str, frozen: &[u8], data: &[u8]) {
+    let s = BlockStore::from_bytes(frozen).unwrap();
+    assert_eq!(s.decode_all().unwrap(), data, "{name}");
+    let mut bad = frozen.to_vec();
+    *bad.last_mut().unwrap() ^= 0x01;
+    let last_block = s.num_blocks() - 1;
+    let Err(Error::ChecksumMismatch { block, .. }) = BlockStore::from_bytes(&bad) else {
+        panic!("{name}: the corrupt variant was accepted or misreported");
+    };
+    assert_eq!(block, last_block, "{name}");
 }
 
 /// Block store version 2 (a plane with rANS tables). Written only when a file is missing
@@ -115,14 +120,6 @@ fn v2_fixtures_decode_forever() {
             frozen,
             "{name}: the encoder's output changed"
         );
-        let s = BlockStore::from_bytes(&frozen).unwrap();
-        assert_eq!(s.decode_all().unwrap(), data, "{name}");
-        let mut bad = frozen.clone();
-        *bad.last_mut().unwrap() ^= 0x01;
-        let last_block = s.num_blocks() - 1;
-        let Err(Error::ChecksumMismatch { block, .. }) = BlockStore::from_bytes(&bad) else {
-            panic!("{name}: the corrupt variant was accepted or misreported");
-        };
-        assert_eq!(block, last_block, "{name}");
+        decodes_and_refuses_its_corrupt_variant(name, &frozen, &data);
     }
 }
