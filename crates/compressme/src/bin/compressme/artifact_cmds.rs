@@ -65,7 +65,7 @@ pub(crate) struct PackArgs {
     /// Entropy coder of lossless planes: `huffman` (Huffman code tables: block store
     /// version 1, the fastest to decode) or `rans` (each plane with rANS frequency tables
     /// where they store it in fewer bytes: the smallest files, 0.2-0.5% of the dense bytes
-    /// smaller, and 4-6x slower to decode in the codec, 2-3x slower to unpack).
+    /// smaller, 4-6x slower to decode in the codec and up to 2.7x slower to unpack).
     #[arg(long, value_enum, default_value_t = EntropyCoder::Huffman)]
     pub(crate) coder: EntropyCoder,
     /// Code lossless planes with Zstandard at this level instead of shared tables.
