@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 
 use crate::format::{
     MAX_BLOCK_BYTES, MAX_TABLES, MODE_CONST, MODE_HUFFMAN, MODE_HUFFMAN_ROWS, MODE_RANS, MODE_RAW,
-    MODE_ZSTD, put_varint,
+    MODE_ZSTD, put_varint, varint_len,
 };
 use crate::huffman::{CodeLengths, Decoder, Encoder};
 use crate::rans;
@@ -681,14 +681,7 @@ pub(crate) fn decoders_for(tables: &[Vec<CodeLengths>]) -> Vec<Vec<Arc<Decoder>>
 
 /// Bytes a plane record with a coded body of `body` bytes takes: mode, LEB128, body.
 fn record_bytes(body: usize) -> usize {
-    1 + body
-        + if body < 1 << 7 {
-            1
-        } else if body < 1 << 14 {
-            2
-        } else {
-            3
-        }
+    1 + varint_len(body as u64) + body
 }
 
 /// The cheaper rANS table for one block's plane, with the bytes its stream takes.
@@ -814,13 +807,17 @@ fn encode_block(
                 .ok()
                 .map(|s| (MODE_ZSTD, s)),
         };
-        match coded {
-            Some((mode, s)) if mode >= MODE_RANS && s.len() < n => {
-                out.push(mode);
-                put_varint(&mut out, s.len() as u64);
-                out.extend_from_slice(&s);
+        // a rANS plane is kept whenever it is smaller than raw (the coder was chosen for
+        // size); any other when it fits the coded-fraction budget
+        let kept = |mode: u8, len: usize| {
+            if mode >= MODE_RANS {
+                len < n
+            } else {
+                len + 6 <= budget
             }
-            Some((mode, s)) if mode < MODE_RANS && s.len() + 6 <= budget => {
+        };
+        match coded {
+            Some((mode, s)) if kept(mode, s.len()) => {
                 out.push(mode);
                 put_varint(&mut out, s.len() as u64);
                 out.extend_from_slice(&s);

@@ -63,6 +63,16 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// Bytes [`put_varint`] writes for `v`.
+pub(crate) const fn varint_len(mut v: u64) -> usize {
+    let mut n: usize = 1;
+    while v >= 0x80 {
+        v >>= 7;
+        n = n.saturating_add(1);
+    }
+    n
+}
+
 /// Reads a LEB128 value of at most 4 bytes (< 2^28, more than any block holds), in its
 /// minimal encoding (no final zero byte after a continuation).
 pub(crate) fn get_varint(bytes: &[u8], pos: &mut usize) -> Result<usize> {

@@ -18,7 +18,7 @@
     clippy::arithmetic_side_effects
 )]
 
-use crate::format::{get_varint, put_varint};
+use crate::format::{get_varint, put_varint, varint_len};
 use crate::{Error, Result};
 
 /// Frequencies add up to `2^SCALE_BITS`.
@@ -81,35 +81,44 @@ impl Table {
             }
         }
         let mut sum: u32 = f.iter().sum();
-        // taking one from symbol s costs about c_s / (f_s - 1/2) bits, giving one saves
-        // about c_s / (f_s + 1/2): compare as fractions, c_a (2 f_b -+ 1) against c_b (2 f_a -+ 1)
-        while sum > TOTAL {
-            let pick = (0..256)
-                .filter(|&s| f.get(s).copied().unwrap_or(0) > 1)
-                .min_by(|&a, &b| {
-                    let (ca, cb) = (wide(counts, a), wide(counts, b));
-                    let (fa, fb) = (wide32(&f, a), wide32(&f, b));
-                    let lhs = ca.wrapping_mul(fb.wrapping_mul(2).wrapping_sub(1));
-                    let rhs = cb.wrapping_mul(fa.wrapping_mul(2).wrapping_sub(1));
-                    lhs.cmp(&rhs).then(a.cmp(&b))
-                });
+        // move one unit at a time where it costs least: taking one from symbol s costs
+        // about c_s / (f_s - 1/2) bits, giving one saves about c_s / (f_s + 1/2); compared
+        // as fractions, c_a (2 f_b -+ 1) against c_b (2 f_a -+ 1), lower symbol on a tie
+        while sum != TOTAL {
+            let up = sum < TOTAL;
+            let movable = |s: usize| {
+                if up {
+                    counts.get(s).copied().unwrap_or(0) > 0
+                } else {
+                    f.get(s).copied().unwrap_or(0) > 1
+                }
+            };
+            let weight = |s: usize| {
+                let d = wide32(&f, s).wrapping_mul(2);
+                (
+                    wide(counts, s),
+                    if up {
+                        d.wrapping_add(1)
+                    } else {
+                        d.wrapping_sub(1)
+                    },
+                )
+            };
+            // the best to move: the highest saving up, the lowest cost down
+            let pick = (0..256).filter(|&s| movable(s)).reduce(|a, b| {
+                let ((ca, da), (cb, db)) = (weight(a), weight(b));
+                let order = ca.wrapping_mul(db).cmp(&cb.wrapping_mul(da));
+                let b_better = if up { order.is_lt() } else { order.is_gt() };
+                if b_better { b } else { a }
+            });
             let s = pick.and_then(|s| f.get_mut(s))?;
-            *s = s.saturating_sub(1);
-            sum = sum.saturating_sub(1);
-        }
-        while sum < TOTAL {
-            let pick = (0..256)
-                .filter(|&s| counts.get(s).copied().unwrap_or(0) > 0)
-                .max_by(|&a, &b| {
-                    let (ca, cb) = (wide(counts, a), wide(counts, b));
-                    let (fa, fb) = (wide32(&f, a), wide32(&f, b));
-                    let lhs = ca.wrapping_mul(fb.wrapping_mul(2).wrapping_add(1));
-                    let rhs = cb.wrapping_mul(fa.wrapping_mul(2).wrapping_add(1));
-                    lhs.cmp(&rhs).then(b.cmp(&a))
-                });
-            let s = pick.and_then(|s| f.get_mut(s))?;
-            *s = s.saturating_add(1);
-            sum = sum.saturating_add(1);
+            if up {
+                *s = s.saturating_add(1);
+                sum = sum.saturating_add(1);
+            } else {
+                *s = s.saturating_sub(1);
+                sum = sum.saturating_sub(1);
+            }
         }
         let mut freq = [0u16; 256];
         for (d, &s) in freq.iter_mut().zip(&f) {
@@ -195,7 +204,7 @@ impl Table {
             self.freq
                 .iter()
                 .filter(|&&f| f > 0)
-                .map(|&f| if f > 128 { 2 } else { 1 })
+                .map(|&f| varint_len(u64::from(f.saturating_sub(1))))
                 .sum::<usize>(),
         )
     }
@@ -320,7 +329,6 @@ struct Lanes<'a> {
 
 impl<'a> Lanes<'a> {
     fn new(table: &'a Table, stream: &'a [u8]) -> Result<Self> {
-        let bad = |m: &str| Error::Malformed(format!("rANS stream: {m}"));
         let (head, words) = stream
             .split_at_checked(STATE_BYTES)
             .ok_or_else(|| bad("shorter than its states"))?;
@@ -397,7 +405,6 @@ impl<'a> Lanes<'a> {
     }
 
     fn finish(&self, exact: bool) -> Result<()> {
-        let bad = |m: &str| Error::Malformed(format!("rANS stream: {m}"));
         let nwords = self.ws.len();
         if self.p > nwords {
             return Err(bad("runs out before its symbols"));
@@ -451,6 +458,11 @@ fn unrenormed(slots: &[u32; TOTAL as usize], x: u32) -> (u8, u32) {
 #[inline(always)]
 fn refill(v: u32, need: u32, w: u32) -> u32 {
     v.wrapping_shl(need << 4) | (w & need.wrapping_neg())
+}
+
+/// A malformed stream, said so.
+fn bad(m: &str) -> Error {
+    Error::Malformed(format!("rANS stream: {m}"))
 }
 
 fn wide(counts: &[u64; 256], s: usize) -> u128 {
@@ -649,62 +661,5 @@ mod tests {
             s.len(),
             "every flipped byte changes the result or fails"
         );
-    }
-}
-
-#[cfg(test)]
-#[allow(
-    clippy::unwrap_used,
-    clippy::arithmetic_side_effects,
-    clippy::indexing_slicing
-)]
-mod speed {
-    use super::Table;
-
-    /// `cargo test --release -p compressme-blockstore --lib rans_decode_speed -- --ignored --nocapture`
-    #[test]
-    #[ignore = "a timing, not a check"]
-    fn rans_decode_speed() {
-        let mut s = 1u64;
-        let mut next = || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 33) as f64 / (1u64 << 31) as f64
-        };
-        let n = 1 << 22;
-        let mant: Vec<u8> = (0..n).map(|_| (next().powf(1.15) * 256.0) as u8).collect();
-        let expo: Vec<u8> = (0..n)
-            .map(|_| (118.0 + (next() * 1e-3).ln().max(-12.0)) as u8)
-            .collect();
-        for (name, data) in [("mantissa", &mant), ("exponent", &expo)] {
-            let mut c = [0u64; 256];
-            data.iter().for_each(|&b| c[usize::from(b)] += 1);
-            let t = Table::from_counts(&c).unwrap();
-            let streams: Vec<Vec<u8>> = data
-                .chunks(24576)
-                .map(|ch| {
-                    let mut o = Vec::new();
-                    t.encode(ch, &mut o);
-                    o
-                })
-                .collect();
-            let mut out = vec![0u8; 24576];
-            let mut best = f64::MAX;
-            for _ in 0..5 {
-                let st = std::time::Instant::now();
-                for (st_, ch) in streams.iter().zip(data.chunks(24576)) {
-                    t.decode(st_, &mut out[..ch.len()], true).unwrap();
-                }
-                best = best.min(st.elapsed().as_secs_f64());
-            }
-            let bytes: usize = streams.iter().map(Vec::len).sum();
-            println!(
-                "{name}: {:.3} bits a symbol, {:.2} ns a symbol, {:.0} M symbols/s",
-                bytes as f64 * 8.0 / n as f64,
-                best * 1e9 / n as f64,
-                n as f64 / best / 1e6
-            );
-        }
     }
 }

@@ -1,0 +1,61 @@
+//! Decode time a symbol of one byte plane, rANS tables against Huffman tables, one thread:
+//! `cargo run --release -p compressme-benches --example rans_speed`.
+//!
+//! Two synthetic planes of 4 Mi bytes, stored as 1-byte elements (one plane, no transform)
+//! in 64-row blocks of 384 bytes: mantissa-like (almost uniform, about 7.99 bits a byte)
+//! and exponent-like (a few values, about 1.8 bits). Best of 5 passes over every block.
+use compressme_blockstore::{BlockStore, Coder, EncodeOptions, ValueKind};
+use compressme_shuffle::ElementSize;
+
+fn main() -> Result<(), String> {
+    let mut s = 1u64;
+    let mut next = || {
+        s = s
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (s >> 33) as f64 / (1u64 << 31) as f64
+    };
+    let n = 1usize << 22;
+    let (row_bytes, block_rows) = (384, 64);
+    let mantissa: Vec<u8> = (0..n).map(|_| (next().powf(1.15) * 256.0) as u8).collect();
+    let exponent: Vec<u8> = (0..n)
+        .map(|_| (118.0 + (next() * 1e-3).ln().max(-12.0)) as u8)
+        .collect();
+    for (name, data) in [("mantissa-like", &mantissa), ("exponent-like", &exponent)] {
+        for coder in [
+            Coder::SharedRans { max_tables: 4 },
+            Coder::SharedHuffman { max_tables: 4 },
+        ] {
+            let mut opts = EncodeOptions::new(ValueKind::Bytes(ElementSize::One))
+                .block_rows(block_rows)
+                .coder(coder);
+            opts.parallel = false;
+            opts.max_coded_fraction = 1.0;
+            // whole blocks only, so every block fills `out`
+            let rows = (n / row_bytes / block_rows * block_rows) as u64;
+            let data = &data[..rows as usize * row_bytes];
+            let store =
+                BlockStore::encode(data, rows, row_bytes, &opts).map_err(|e| e.to_string())?;
+            let mut dec = store.decoder();
+            let mut out = vec![0u8; block_rows * row_bytes];
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                for b in 0..store.num_blocks() {
+                    let got = dec
+                        .decode_block(b, &mut out[..])
+                        .map_err(|e| e.to_string())?;
+                    std::hint::black_box(got);
+                }
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let stored = store.stored_bytes();
+            println!(
+                "{name}, {coder:?}: {:.3} bits a byte stored, {:.2} ns a byte decoded",
+                stored.payload as f64 * 8.0 / data.len() as f64,
+                best * 1e9 / data.len() as f64
+            );
+        }
+    }
+    Ok(())
+}
