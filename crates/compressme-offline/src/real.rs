@@ -63,6 +63,24 @@ pub struct RealConfig {
     pub timing_threads: Vec<usize>,
     /// Rows a lossless block.
     pub block_rows: usize,
+    /// Tokens (the calibration text's first) on which each linear's sensitivity is
+    /// measured for the budget plans: the mean KL divergence from the reference with that
+    /// linear alone quantized to `sensitivity_format` (see
+    /// `compressme_profile::measure_sensitivity`). 0: the plans minimise the heuristic
+    /// estimate alone (reports from before this field ran that way).
+    #[serde(default)]
+    pub sensitivity_tokens: usize,
+    /// The format each linear is quantized to for its measurement.
+    #[serde(default)]
+    pub sensitivity_format: String,
+    /// Whether the budget plans hold the output head at INT8 or above (reports from
+    /// before this field did). Without the floor the head's measured sensitivity decides.
+    #[serde(default = "yes")]
+    pub budget_head_floor: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for RealConfig {
@@ -76,9 +94,9 @@ impl Default for RealConfig {
             eval_tokens: 8192,
             window: 512,
             stride: 256,
-            // not 4.5: with the tied embedding (a fifth of the weights) held at INT8 as the
-            // output head, the smallest plan takes 4.89 bits a weight
-            budgets_bpw: vec![5.0, 6.0],
+            // 4.5 needs the tied embedding (a fifth of the weights) below INT8: the plans
+            // have no head floor, and the head's measured sensitivity decides
+            budgets_bpw: vec![4.5, 6.0],
             // not int4-g32: it reproduces the Q4_1 grid these weights sit on exactly
             candidates: [
                 "int8",
@@ -99,6 +117,9 @@ impl Default for RealConfig {
             timing_reps: 3,
             timing_threads: vec![1, 2],
             block_rows: 16,
+            sensitivity_tokens: 512,
+            sensitivity_format: "nf4-g64".into(),
+            budget_head_floor: false,
         }
     }
 }
@@ -223,6 +244,50 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
     })
 }
 
+/// Measures every linear's sensitivity on `ids`: the mean KL divergence (nats a
+/// position) of the model's next-token distributions with that linear alone quantized to
+/// `format`, from the unchanged model's, scored as the variants are
+/// (`compressme_eval::score_against`, one window over `ids`); then puts it into
+/// `profile`'s estimates (`compressme_profile::measure_sensitivity`). A linear of a block
+/// is run from that block's input, kept from one pass of the unchanged model, so a
+/// measurement costs the blocks from its own on and the head, not the whole model.
+fn measure_kl(
+    model: &mut Decoder,
+    profile: &mut compressme_profile::Profile,
+    ids: &[u32],
+    format: Format,
+    progress: &dyn Progress,
+) -> Result<()> {
+    let docs = vec![ids.to_vec()];
+    let window = Window {
+        len: ids.len(),
+        stride: ids.len(),
+    };
+    let reference = score_documents(&docs, window, true, |w| {
+        model.logit_rows(w).map_err(|e| e.to_string())
+    })?;
+    let inputs = model.block_inputs(ids)?;
+    compressme_profile::measure_sensitivity(
+        model,
+        profile,
+        format,
+        |m, name| {
+            let logits = |w: &[u32]| {
+                match m.block_of(name).and_then(|b| Some((b, inputs.get(b)?))) {
+                    Some((b, x)) => m.logit_rows_from(b, x),
+                    None => m.logit_rows(w),
+                }
+                .map_err(|e| e.to_string())
+            };
+            score_against(&docs, window, &reference, logits)
+                .map(|(_, sh)| sh.kl_mean)
+                .map_err(|e| e.to_string())
+        },
+        |_| progress.inc(1),
+    )?;
+    Ok(())
+}
+
 fn read_text(path: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(io(Path::new(path)))
 }
@@ -244,6 +309,14 @@ fn check(cfg: &RealConfig) -> Result<Vec<Format>> {
     } else {
         None
     };
+    let bad = bad.or_else(|| {
+        (cfg.sensitivity_tokens > 0 && Format::parse(&cfg.sensitivity_format).is_err()).then(|| {
+            format!(
+                "sensitivity_format `{}` is not a format",
+                cfg.sensitivity_format
+            )
+        })
+    });
     if let Some(b) = bad {
         return Err(Error::Config(b));
     }
@@ -317,7 +390,7 @@ pub fn run_real(
         candidates: cfg.candidates.clone(),
         ..ProfileSettings::default()
     };
-    let profile = ActivationRecorder::new(settings)
+    let mut profile = ActivationRecorder::new(settings)
         .with_calibration_sha256(sha256_hex(calib_text.as_bytes()))
         .record(&lm.model, &windows, |m, ids| {
             let r = m.forward(ids).map(drop);
@@ -329,7 +402,39 @@ pub fn run_real(
         windows.len(),
         cfg.calibration_text
     ));
+    let mut lm = lm;
+    if cfg.sensitivity_tokens > 0 {
+        let ids = calib_ids
+            .get(..cfg.sensitivity_tokens.min(model_cfg.context))
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{} has {} tokens, fewer than sensitivity_tokens {}",
+                    cfg.calibration_text,
+                    calib_ids.len(),
+                    cfg.sensitivity_tokens
+                ))
+            })?;
+        let format =
+            Format::parse(&cfg.sensitivity_format).map_err(|e| Error::Config(e.to_string()))?;
+        let n = profile
+            .modules
+            .values()
+            .filter(|s| s.kind == ModuleKind::Linear)
+            .count();
+        progress.stage("sensitivity", n as u64);
+        let t = Instant::now();
+        measure_kl(&mut lm.model, &mut profile, ids, format, progress)?;
+        progress.done(&format!(
+            "measured {n} linears at {format} on {} tokens in {:.0} s",
+            ids.len(),
+            t.elapsed().as_secs_f64()
+        ));
+    }
+    let lm = lm;
     let profile_json = profile.to_json()?;
+    // kept beside the variants: the plans in the report are made from it
+    let profile_path = work_dir.join("profile.json");
+    std::fs::write(&profile_path, &profile_json).map_err(io(&profile_path))?;
 
     // plans
     let policy = Policy {
@@ -404,13 +509,30 @@ pub fn run_real(
         thresholds.modules.clone(),
         Some(thresholds),
     ));
+    let budget_policy = Policy {
+        protect_output_head: cfg.budget_head_floor,
+        ..policy.clone()
+    };
+    let estimate = if cfg.sensitivity_tokens > 0 {
+        format!(
+            "each linear's KL measured alone at {} on {} calibration tokens",
+            cfg.sensitivity_format, cfg.sensitivity_tokens
+        )
+    } else {
+        "the heuristic error estimate".into()
+    };
+    let floor = if cfg.budget_head_floor {
+        "head at INT8 or above"
+    } else {
+        "no head floor"
+    };
     for &bpw in &cfg.budgets_bpw {
         let bytes = (bpw * weights as f64 / 8.0).floor() as u64;
-        let plan = Plan::within_budget(&profile, &candidates, bytes, policy.clone())?;
+        let plan = Plan::within_budget(&profile, &candidates, bytes, budget_policy.clone())?;
         let name = format!("budget-{bpw}");
         planned.push(Planned::ours(
             &name,
-            format!("budget solver at {bpw} bits a weight ({bytes} bytes)"),
+            format!("budget solver at {bpw} bits a weight ({bytes} bytes; {estimate}; {floor})"),
             false,
             plan.modules.clone(),
             Some(plan.clone()),

@@ -175,6 +175,151 @@ fn failures_are_clean() {
     ));
 }
 
+fn linear_weights(m: &CausalLm) -> Vec<(String, Vec<f32>)> {
+    m.module_names()
+        .into_iter()
+        .filter_map(|n| match m.module(&n) {
+            Some(compressme_nn::ModuleRef::Linear(l)) => Some((n, l.weight_f32().unwrap())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
+    let mut m = model();
+    let data = batches(2, 4);
+    let mut p = ActivationRecorder::new(ProfileSettings::default())
+        .record(&m, &data, |m, ids| m.forward(ids).map(drop))
+        .unwrap();
+    let before = p.clone();
+    let weights = linear_weights(&m);
+    let ids = &data[0];
+    let out = |m: &CausalLm| -> Vec<f32> {
+        m.forward(ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let reference = out(&m);
+    let probe = Format::Nf4Block(compressme_quant::GroupSize::G32);
+    let mut done = Vec::new();
+    let mut changed = Vec::new();
+    compressme_profile::measure_sensitivity(
+        &mut m,
+        &mut p,
+        probe,
+        |m, name| {
+            // the module is quantized while it is measured, and only it
+            let now = linear_weights(m);
+            for ((n, a), (_, b)) in weights.iter().zip(&now) {
+                if a != b {
+                    changed.push((name.to_string(), n.clone()));
+                }
+            }
+            let o = out(m);
+            Ok(o.iter()
+                .zip(&reference)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>()
+                / o.len() as f64)
+        },
+        |n| done.push(n.to_string()),
+    )
+    .unwrap();
+    let linears: Vec<String> = before
+        .modules
+        .iter()
+        .filter(|(_, s)| s.kind == compressme_nn::ModuleKind::Linear)
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert_eq!(done, linears);
+    assert_eq!(
+        changed,
+        linears
+            .iter()
+            .map(|n| (n.clone(), n.clone()))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(linear_weights(&m), weights, "the model is as it was");
+    let key = probe.to_string();
+    for n in &linears {
+        let (b, a) = (&before.modules[n], &p.modules[n]);
+        let meas = a.measured.as_ref().unwrap();
+        assert_eq!(meas.format, key);
+        assert!(meas.value > 0.0, "{n}");
+        // the heuristic of each format as stored: the same as recorded where there are
+        // no activation-aware scales, no larger where there are (absmax is among the
+        // scales they choose from)
+        assert_eq!(meas.heuristic["int8"], b.estimated_error["int8"], "{n}");
+        assert_eq!(meas.heuristic["f16"], b.estimated_error["f16"], "{n}");
+        assert!(
+            meas.heuristic[&key] <= b.estimated_error[&key] * (1.0 + 1e-9),
+            "{n}"
+        );
+        assert_eq!(a.estimated_error[&key], meas.value, "{n}");
+        assert_eq!(
+            a.estimated_error.keys().collect::<Vec<_>>(),
+            meas.heuristic.keys().collect::<Vec<_>>()
+        );
+        for (f, e) in &a.estimated_error {
+            let want = meas.value * meas.heuristic[f] / meas.heuristic[&key];
+            assert!((e - want).abs() <= 1e-12 * want.abs(), "{n} {f}");
+        }
+        assert!(a.estimated_error["int8"] < a.estimated_error["nf4"], "{n}");
+    }
+    // the measured profile is still a profile: JSON round trip, and a budget plan on it
+    let back = compressme_profile::Profile::from_json(&p.to_json().unwrap()).unwrap();
+    assert_eq!(back, p);
+    let cands = [Format::Int8, probe];
+    let plan = Plan::within_budget(&p, &cands, 1 << 20, Policy::default()).unwrap();
+    assert!(plan.estimated_error.unwrap() >= 0.0);
+    // a failing measure is named with its module, and the model is left as it was
+    let mut q = before.clone();
+    let e = compressme_profile::measure_sensitivity(
+        &mut m,
+        &mut q,
+        probe,
+        |_, n| {
+            if n == linears[1] {
+                Err("injected".into())
+            } else {
+                Ok(1.0)
+            }
+        },
+        |_| {},
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("injected"), "{e}");
+    assert!(e.to_string().contains(&linears[1]), "{e}");
+    assert_eq!(linear_weights(&m), weights, "the model is as it was");
+    assert_eq!(q, before, "and so is the profile");
+    // a probe the profile has no estimate for is refused before anything changes
+    let mut only_int8 = ActivationRecorder::new(ProfileSettings {
+        candidates: vec!["int8".into()],
+        ..ProfileSettings::default()
+    })
+    .record(&m, &data, |m, ids| m.forward(ids).map(drop))
+    .unwrap();
+    let mut calls = 0;
+    let e = compressme_profile::measure_sensitivity(
+        &mut m,
+        &mut only_int8,
+        probe,
+        |_, _| {
+            calls += 1;
+            Ok(1.0)
+        },
+        |_| {},
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("no estimate for nf4-g32"), "{e}");
+    assert_eq!(calls, 0);
+    assert!(only_int8.modules.values().all(|s| s.measured.is_none()));
+}
+
 #[test]
 fn plans_round_trip_validate_and_shuffle_at_equal_bytes() {
     let m = model();

@@ -10,6 +10,12 @@
 //! Sums are kept in f64 over elements, so the same tokens in different batchings give the
 //! same statistics up to float rounding. Profiles are versioned JSON.
 //!
+//! [`measure_sensitivity`] then measures instead of estimating: each linear alone is
+//! quantized, the caller's measure (the benchmarks: KL divergence of the next-token
+//! distributions from the unchanged model's) is taken, and the estimates a budget plan
+//! minimises are rescaled to it, the heuristic keeping only the ratio between formats
+//! within a module.
+//!
 //! What it is not: a planner (`compressme-plan` turns profiles into plans) or a data
 //! loader (the caller decides what a batch is).
 //!
@@ -84,6 +90,14 @@ pub enum Error {
     /// No batches.
     #[error("no calibration batches")]
     Empty,
+    /// A module's sensitivity could not be measured.
+    #[error("measuring `{module}`: {message}")]
+    Measure {
+        /// The module.
+        module: String,
+        /// What failed.
+        message: String,
+    },
 }
 
 /// Result alias for this crate.
@@ -149,9 +163,15 @@ pub struct ModuleStats {
     /// Per channel Σ x².
     pub channel_sum_sq: Vec<f64>,
     /// Linears only: estimated output error under each candidate format,
-    /// `Σ_j E[x_j²] · Σ_i (w_ij - q(w)_ij)²` (a heuristic).
+    /// `Σ_j E[x_j²] · Σ_i (w_ij - q(w)_ij)²` (a heuristic); once [`measure_sensitivity`]
+    /// has run, in the measured unit instead (see [`ModuleStats::measured`]).
     #[serde(default)]
     pub estimated_error: BTreeMap<String, f64>,
+    /// Linears only, when [`measure_sensitivity`] ran: the model's measured response to
+    /// this module alone quantized. Absent from the JSON otherwise, so profiles without a
+    /// measurement are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured: Option<Measured>,
     /// Linears only: formats that cannot hold this module's weights (a finite weight
     /// would become infinite: f16 past 65,504, say); a plan never chooses them. Absent
     /// from the JSON when empty, so profiles of ordinary models are unchanged.
@@ -268,6 +288,169 @@ impl Profile {
     }
 }
 
+/// A module's measured sensitivity: what quantizing it alone did to the model's output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Measured {
+    /// The format the module was quantized to for the measurement (4-bit groups with
+    /// activation-aware scales, as a plan stores them).
+    pub format: String,
+    /// What the caller's measure returned, in its unit (the benchmarks: mean KL divergence
+    /// of the next-token distributions from the unchanged model's, nats a position).
+    pub value: f64,
+    /// The heuristic of every candidate format, each as a plan stores it (activation-aware
+    /// scales where the format takes them, which [`ModuleStats::estimated_error`] as
+    /// recorded does not use): the ratios the measurement is spread by.
+    pub heuristic: BTreeMap<String, f64>,
+}
+
+/// Measures each linear's sensitivity and puts the measurement into the estimates a
+/// budget plan minimises.
+///
+/// For every linear of `profile` (in name order) the model's weight is replaced by its
+/// round trip through `format` (activation-aware scales from the profile for blockwise
+/// 4-bit formats, as a plan stores them), `measure(model, module)` is called, and the
+/// weight is put back, also when the measure fails. Then each linear's
+/// `estimated_error[f]` becomes `value · heuristic(f) / heuristic(format)`, where the
+/// heuristic is the recorded one's formula applied to each format as a plan stores it
+/// (activation-aware scales included): the measurement fixes the module's scale (how
+/// much its error costs the model's output), the heuristic only the ratio between
+/// formats within one module, which it does see (the weights' round-trip error under
+/// each format). A module that `format` stores exactly (heuristic 0) keeps 0 for the
+/// formats that are exact too and the largest measured value for the others.
+/// `progress` is told each module's name when it is done.
+///
+/// The budget solver adds these estimates, which assumes the modules' effects add up;
+/// that is the approximation this measurement makes, where the heuristic alone also
+/// assumed every module's error reached the output alike.
+///
+/// # Errors
+/// [`Error::Measure`] for a module that is not a linear of `model`, a weight `format`
+/// cannot hold, a candidate the profile has no estimate of, and the measure's failure;
+/// the model is as it was in every case.
+pub fn measure_sensitivity<M: Model>(
+    model: &mut M,
+    profile: &mut Profile,
+    format: Format,
+    mut measure: impl FnMut(&M, &str) -> std::result::Result<f64, String>,
+    mut progress: impl FnMut(&str),
+) -> Result<()> {
+    let key = format.to_string();
+    let names: Vec<String> = profile
+        .modules
+        .iter()
+        .filter(|(_, s)| s.kind == ModuleKind::Linear)
+        .map(|(n, _)| n.clone())
+        .collect();
+    let mut values = BTreeMap::new();
+    for name in &names {
+        let fail = |message: String| Error::Measure {
+            module: name.clone(),
+            message,
+        };
+        let Some(stats) = profile.modules.get(name) else {
+            continue;
+        };
+        if !stats.estimated_error.contains_key(&key) {
+            return Err(fail(format!("the profile has no estimate for {key}")));
+        }
+        let Some(ModuleRef::Linear(l)) = model.module(name) else {
+            return Err(fail("not a linear of the model".into()));
+        };
+        let original = l.weight().clone();
+        let (rows, cols) = l.shape();
+        let w = l.weight_f32().map_err(|e| fail(e.to_string()))?;
+        let msq = stats.channel_mean_sq();
+        let importance: Vec<f32> = msq.iter().map(|&v| v as f32).collect();
+        // the heuristic again, but of each format as a plan stores it (activation-aware
+        // scales where the format takes them), so that the ratios between formats are
+        // those of what is stored
+        let mut heuristic = BTreeMap::new();
+        for f in stats.estimated_error.keys() {
+            let fmt = Format::parse(f).map_err(|e| fail(e.to_string()))?;
+            let e = round_trip_error(&w, rows, cols, fmt, &msq, &importance)
+                .ok_or_else(|| fail(format!("{f} cannot take its weights")))?;
+            heuristic.insert(f.clone(), e);
+        }
+        let q = compressme_quant::quantize_weighted(&w, rows, cols, format, &importance)
+            .map_err(|e| fail(e.to_string()))?;
+        let mut back = vec![0f32; w.len()];
+        q.dequantize_into(&mut back)
+            .map_err(|e| fail(e.to_string()))?;
+        let t =
+            Tensor::from_vec(back, (rows, cols), &Device::Cpu).map_err(|e| fail(e.to_string()))?;
+        set_linear(model, name, compressme_nn::Weight::Dense(t)).map_err(fail)?;
+        let value = measure(model, name);
+        set_linear(model, name, original).map_err(fail)?;
+        let value = value.map_err(fail)?;
+        if !value.is_finite() {
+            return Err(fail(format!("the measure returned {value}")));
+        }
+        values.insert(name.clone(), (value.max(0.0), heuristic));
+        progress(name);
+    }
+    let largest = values.values().map(|v| v.0).fold(0f64, f64::max);
+    for (name, (value, heuristic)) in values {
+        let Some(s) = profile.modules.get_mut(&name) else {
+            continue;
+        };
+        let at = heuristic.get(&key).copied().unwrap_or(0.0);
+        for (f, e) in &mut s.estimated_error {
+            let h = heuristic.get(f).copied().unwrap_or(0.0);
+            *e = if at > 0.0 {
+                value * (h / at)
+            } else if h > 0.0 {
+                largest
+            } else {
+                0.0
+            };
+        }
+        s.measured = Some(Measured {
+            format: key.clone(),
+            value,
+            heuristic,
+        });
+    }
+    Ok(())
+}
+
+/// `Σ_j msq[j] · Σ_i (w_ij - q(w)_ij)²` for `w` `[rows, cols]` through `format`, with
+/// activation-aware scales from `importance` (empty: absmax, as [`compressme_quant::quantize`]);
+/// `None` when the format cannot take the weights.
+fn round_trip_error(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    format: Format,
+    msq: &[f64],
+    importance: &[f32],
+) -> Option<f64> {
+    let q = compressme_quant::quantize_weighted(w, rows, cols, format, importance).ok()?;
+    let mut back = vec![0f32; w.len()];
+    q.dequantize_into(&mut back).ok()?;
+    let mut col_err = vec![0f64; cols];
+    for (row, brow) in w.chunks_exact(cols).zip(back.chunks_exact(cols)) {
+        for ((e, a), b) in col_err.iter_mut().zip(row).zip(brow) {
+            let d = f64::from(a - b);
+            *e += d * d;
+        }
+    }
+    Some(col_err.iter().zip(msq).map(|(e, m)| e * m).sum())
+}
+
+fn set_linear<M: Model>(
+    model: &mut M,
+    name: &str,
+    weight: compressme_nn::Weight,
+) -> std::result::Result<(), String> {
+    match model.module_mut(name) {
+        Some(compressme_nn::ModuleMut::Linear(l)) => {
+            l.set_weight(weight).map_err(|e| e.to_string())
+        }
+        _ => Err("not a linear of the model".into()),
+    }
+}
+
 struct Collector {
     threshold: f32,
     stats: Mutex<BTreeMap<String, ModuleStats>>,
@@ -378,6 +561,7 @@ impl ActivationRecorder {
                     channel_sum_abs: vec![0.0; m.cols],
                     channel_sum_sq: vec![0.0; m.cols],
                     estimated_error: BTreeMap::new(),
+                    measured: None,
                     unrepresentable: std::collections::BTreeSet::new(),
                 },
             );
@@ -436,22 +620,9 @@ impl ActivationRecorder {
                 .collect();
             let msq = s.channel_mean_sq();
             for f in &candidates {
-                let Ok(q) = compressme_quant::quantize(&w, s.rows, s.cols, *f) else {
-                    continue;
-                };
-                let mut back = vec![0f32; w.len()];
-                if q.dequantize_into(&mut back).is_err() {
-                    continue;
+                if let Some(err) = round_trip_error(&w, s.rows, s.cols, *f, &msq, &[]) {
+                    s.estimated_error.insert(f.to_string(), err);
                 }
-                let mut col_err = vec![0f64; s.cols];
-                for (row, brow) in w.chunks_exact(s.cols).zip(back.chunks_exact(s.cols)) {
-                    for ((e, a), b) in col_err.iter_mut().zip(row).zip(brow) {
-                        let d = f64::from(a - b);
-                        *e += d * d;
-                    }
-                }
-                let err: f64 = col_err.iter().zip(&msq).map(|(e, m)| e * m).sum();
-                s.estimated_error.insert(f.to_string(), err);
             }
         }
         let digest: [u8; 32] = sha2::Digest::finalize(hasher).into();

@@ -712,21 +712,102 @@ impl Decoder {
         let mut x = self.embed(ids, past)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let slot = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-            let h = b.ln1.forward(&x)?;
-            let a = self.attention(b, &h, rope.as_ref(), past, slot)?;
-            x = if self.cfg.parallel_residual {
-                let m = self.mlp(b, &b.ln2.forward(&x)?)?;
-                ((x + a)? + m)?
-            } else {
-                let x = (x + a)?;
-                let m = self.mlp(b, &b.ln2.forward(&x)?)?;
-                (x + m)?
-            };
+            x = self.block(b, x, rope.as_ref(), past, slot)?;
         }
         if let Some(c) = cache {
             c.len += t;
         }
         self.norm.forward(&x)
+    }
+
+    /// One block on its input `x` `[b, t, hidden]`: the residual stream after it.
+    fn block(
+        &self,
+        b: &Block,
+        x: Tensor,
+        rope: Option<&(Tensor, Tensor)>,
+        past: usize,
+        slot: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let h = b.ln1.forward(&x)?;
+        let a = self.attention(b, &h, rope, past, slot)?;
+        Ok(if self.cfg.parallel_residual {
+            let m = self.mlp(b, &b.ln2.forward(&x)?)?;
+            ((x + a)? + m)?
+        } else {
+            let x = (x + a)?;
+            let m = self.mlp(b, &b.ln2.forward(&x)?)?;
+            (x + m)?
+        })
+    }
+
+    /// The input of every block (the residual stream before it, `[1, t, hidden]`) for one
+    /// sequence, so that a change to one block's linears can be scored from that block on
+    /// ([`Decoder::logit_rows_from`]) without running the blocks before it again.
+    ///
+    /// # Errors
+    /// As [`Decoder::forward`].
+    pub fn block_inputs(&self, ids: &[u32]) -> Result<Vec<Tensor>> {
+        let t = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
+        let n = ids.len();
+        if n == 0 || n > self.cfg.context {
+            return Err(Error::Shape(format!(
+                "{n} tokens, the context is {}",
+                self.cfg.context
+            )));
+        }
+        let rope = self.rope(0, n)?;
+        let mut x = self.embed(&t, 0)?;
+        let mut out = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            out.push(x.clone());
+            x = self.block(b, x, rope.as_ref(), 0, None)?;
+        }
+        Ok(out)
+    }
+
+    /// Next-token logits, a row per position, from block `first` on, given that block's
+    /// input `x` (from [`Decoder::block_inputs`] of the same sequence): what
+    /// [`Decoder::logit_rows`] gives when the blocks before `first` are unchanged.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a block past the last, as [`Decoder::forward`].
+    pub fn logit_rows_from(&self, first: usize, x: &Tensor) -> Result<Vec<Vec<f32>>> {
+        if first >= self.blocks.len() {
+            return Err(Error::Shape(format!(
+                "block {first} of {}",
+                self.blocks.len()
+            )));
+        }
+        let n = x.dim(1)?;
+        let rope = self.rope(0, n)?;
+        let mut x = x.clone();
+        for b in self.blocks.iter().skip(first) {
+            x = self.block(b, x, rope.as_ref(), 0, None)?;
+        }
+        self.head_rows(&self.norm.forward(&x)?.squeeze(0)?)
+    }
+
+    /// The block (layer index) a linear belongs to; `None` for the embeddings and the
+    /// output head, and for a name that is not a linear of a block.
+    #[must_use]
+    pub fn block_of(&self, module: &str) -> Option<usize> {
+        self.blocks
+            .iter()
+            .position(|b| b.linears().iter().any(|l| l.name() == module))
+    }
+
+    /// The head on final hidden states `[t, hidden]`, [`HEAD_CHUNK`] positions at a time.
+    fn head_rows(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let n = x.dim(0)?;
+        let mut rows = Vec::with_capacity(n);
+        let mut c0 = 0;
+        while c0 < n {
+            let len = HEAD_CHUNK.min(n - c0);
+            rows.extend(self.head_logits(&x.narrow(0, c0, len)?)?.to_vec2::<f32>()?);
+            c0 += len;
+        }
+        Ok(rows)
     }
 
     /// The output head on final hidden states `[.., hidden]`.
@@ -769,16 +850,7 @@ impl Decoder {
     /// as the rows returned (a window of 512 tokens over a vocabulary of 49,152 is 100 MB).
     pub fn logit_rows(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
         let t = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
-        let x = self.hidden(&t, None)?.squeeze(0)?;
-        let n = x.dim(0)?;
-        let mut rows = Vec::with_capacity(n);
-        let mut c0 = 0;
-        while c0 < n {
-            let len = HEAD_CHUNK.min(n - c0);
-            rows.extend(self.head_logits(&x.narrow(0, c0, len)?)?.to_vec2::<f32>()?);
-            c0 += len;
-        }
-        Ok(rows)
+        self.head_rows(&self.hidden(&t, None)?.squeeze(0)?)
     }
 
     /// Greedy generation with the KV cache: the prompt is run once, then one token at a

@@ -133,6 +133,48 @@ fn kv_cache_logits_equal_the_full_forward() {
 }
 
 #[test]
+fn logits_from_a_block_input_are_the_full_forwards() {
+    for name in FAMILIES {
+        let mut lm = open(name);
+        let ids: Vec<u32> = (0..20u32).map(|i| (i * 37 + 5) % 128).collect();
+        let inputs = lm.model.block_inputs(&ids).unwrap();
+        let blocks = inputs.len();
+        assert!(blocks > 0, "{name}");
+        let full = lm.model.logit_rows(&ids).unwrap();
+        for (i, x) in inputs.iter().enumerate() {
+            assert_eq!(
+                lm.model.logit_rows_from(i, x).unwrap(),
+                full,
+                "{name}: from block {i}"
+            );
+        }
+        let e = lm.model.logit_rows_from(blocks, &inputs[0]).unwrap_err();
+        assert!(e.to_string().contains("block"), "{e}");
+        // a changed linear of block i is seen from block i's cached input, and only
+        // there: the inputs up to it do not depend on it
+        let last = lm
+            .model
+            .module_names()
+            .into_iter()
+            .rfind(|m| lm.model.block_of(m) == Some(blocks - 1))
+            .unwrap();
+        assert_eq!(lm.model.block_of("no.such.module"), None);
+        lm.model
+            .set_storage(&[(last.clone(), Storage::Quant(Format::Int8))])
+            .unwrap();
+        let changed = lm.model.logit_rows(&ids).unwrap();
+        assert_ne!(changed, full, "{name}: {last} at int8 changes the logits");
+        assert_eq!(
+            lm.model
+                .logit_rows_from(blocks - 1, &inputs[blocks - 1])
+                .unwrap(),
+            changed,
+            "{name}: {last}"
+        );
+    }
+}
+
+#[test]
 fn batched_forward_is_the_rows_one_at_a_time() {
     let lm = open("llama-gqa");
     let g = golden("llama-gqa");

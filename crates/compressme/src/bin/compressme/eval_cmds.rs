@@ -66,6 +66,10 @@ pub(crate) struct BenchArgs {
     /// Real model: budgets in bits a weight (comma-separated).
     #[arg(long)]
     budgets: Option<String>,
+    /// Real model: calibration tokens on which each linear's sensitivity (KL with it alone
+    /// quantized) is measured for the budget plans; 0 plans on the heuristic estimate.
+    #[arg(long)]
+    sensitivity_tokens: Option<usize>,
     /// Real model: timed generation, new tokens.
     #[arg(long)]
     generate_tokens: Option<usize>,
@@ -162,6 +166,7 @@ fn real_config(a: &BenchArgs, model: &Path) -> Result<offline::RealConfig> {
     set(&mut c.generate_tokens, a.generate_tokens);
     set(&mut c.prompt_tokens, a.prompt_tokens);
     set(&mut c.timing_reps, a.timing_reps);
+    set(&mut c.sensitivity_tokens, a.sensitivity_tokens);
     if let Some(b) = &a.budgets {
         c.budgets_bpw = list(b, "--budgets")?;
     }
@@ -257,6 +262,7 @@ pub(crate) fn bench(a: &BenchArgs) -> Result<()> {
         a.window.is_some(),
         a.stride.is_some(),
         a.budgets.is_some(),
+        a.sensitivity_tokens.is_some(),
         a.generate_tokens.is_some(),
         a.prompt_tokens.is_some(),
         a.timing_threads.is_some(),
