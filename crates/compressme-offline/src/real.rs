@@ -77,6 +77,10 @@ pub struct RealConfig {
     /// before this field did). Without the floor the head's measured sensitivity decides.
     #[serde(default = "yes")]
     pub budget_head_floor: bool,
+    /// A budget plan at exactly candle Q4_K's bytes (its linears as the GGUF variant
+    /// stores them), beside that variant (reports from before this field had none).
+    #[serde(default)]
+    pub budget_at_candle_q4_k: bool,
 }
 
 fn yes() -> bool {
@@ -120,6 +124,7 @@ impl Default for RealConfig {
             sensitivity_tokens: 512,
             sensitivity_format: "nf4-g64".into(),
             budget_head_floor: false,
+            budget_at_candle_q4_k: true,
         }
     }
 }
@@ -530,9 +535,15 @@ pub fn run_real(
         let bytes = (bpw * weights as f64 / 8.0).floor() as u64;
         let plan = Plan::within_budget(&profile, &candidates, bytes, budget_policy.clone())?;
         let name = format!("budget-{bpw}");
+        // as reports from before the measurement described it, when it ran that way
+        let how = if cfg.sensitivity_tokens == 0 && cfg.budget_head_floor {
+            String::new()
+        } else {
+            format!("; {estimate}; {floor}")
+        };
         planned.push(Planned::ours(
             &name,
-            format!("budget solver at {bpw} bits a weight ({bytes} bytes; {estimate}; {floor})"),
+            format!("budget solver at {bpw} bits a weight ({bytes} bytes{how})"),
             false,
             plan.modules.clone(),
             Some(plan.clone()),
@@ -559,11 +570,33 @@ pub fn run_real(
     let at_nf4 = Plan::within_budget(&profile, &candidates, nf4_bytes, unprotected)?;
     planned.push(Planned::ours(
         "budget-at-nf4-g64",
-        format!("budget solver at uniform NF4-g64's {nf4_bytes} bytes, no head floor (as uniform NF4-g64)"),
+        format!(
+            "budget solver at uniform NF4-g64's {nf4_bytes} bytes, no head floor (as uniform NF4-g64){}",
+            if cfg.sensitivity_tokens == 0 { String::new() } else { format!("; {estimate}") }
+        ),
         false,
         at_nf4.modules.clone(),
         Some(at_nf4),
     ));
+    if cfg.budget_at_candle_q4_k {
+        // candle's Q4_K variant's linears, each in the type it gets for its width
+        let q4k_bytes: u64 = linears
+            .iter()
+            .filter_map(|n| shapes.get(n))
+            .map(|s| {
+                let d = LlamaFormat::Q4K.for_width(s.cols).ggml();
+                ((s.rows * s.cols / d.block_size()) * d.type_size()) as u64
+            })
+            .sum();
+        let plan = Plan::within_budget(&profile, &candidates, q4k_bytes, budget_policy.clone())?;
+        planned.push(Planned::ours(
+            "budget-at-candle-q4_k",
+            format!("budget solver at candle Q4_K's {q4k_bytes} bytes ({estimate}; {floor})"),
+            false,
+            plan.modules.clone(),
+            Some(plan),
+        ));
+    }
     for f in [LlamaFormat::Q8_0, LlamaFormat::Q6K, LlamaFormat::Q4K] {
         let fallback = f.for_width(model_cfg.hidden);
         let note = if fallback == f {
@@ -792,6 +825,13 @@ pub fn run_real(
             "candle-q4_k",
             &format!("budget-{bpw}"),
             format!("the {bpw}-bit budget plan vs candle Q4_K"),
+        ));
+    }
+    if cfg.budget_at_candle_q4_k {
+        questions.push(q(
+            "candle-q4_k",
+            "budget-at-candle-q4_k",
+            "a plan at candle Q4_K's bytes vs candle Q4_K".into(),
         ));
     }
     let paired = paired_rows(&variants, questions, cfg.bootstrap_resamples, cfg.seed)?;
