@@ -47,8 +47,8 @@ pub mod task;
 
 pub use chart::svg_chart;
 pub use real::{
-    Probe, ProbeRequest, ProbeResult, RealConfig, candle_format, load_variant, probe_in_process,
-    run_real,
+    Probe, ProbeRequest, ProbeResult, RealConfig, candle_format, load_variant,
+    measure_decoder_sensitivity, probe_in_process, run_real,
 };
 pub use replay::{Difference, Tolerance, compare, not_compared};
 pub use report::{

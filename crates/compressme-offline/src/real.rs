@@ -256,7 +256,12 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
 /// `profile`'s estimates (`compressme_profile::measure_sensitivity`). A linear of a block
 /// is run from that block's input, kept from one pass of the unchanged model, so a
 /// measurement costs the blocks from its own on and the head, not the whole model.
-fn measure_kl(
+/// `progress` advances once a linear.
+///
+/// # Errors
+/// More ids than the model's context; the model's and the measurement's failures (the
+/// model is left as it was).
+pub fn measure_decoder_sensitivity(
     model: &mut Decoder,
     profile: &mut compressme_profile::Profile,
     ids: &[u32],
@@ -428,7 +433,7 @@ pub fn run_real(
             .count();
         progress.stage("sensitivity", n as u64);
         let t = Instant::now();
-        measure_kl(&mut lm.model, &mut profile, ids, format, progress)?;
+        measure_decoder_sensitivity(&mut lm.model, &mut profile, ids, format, progress)?;
         progress.done(&format!(
             "measured {n} linears at {format} on {} tokens in {:.0} s",
             ids.len(),

@@ -54,6 +54,81 @@ fn text(d: &std::path::Path) -> String {
 }
 
 #[test]
+fn profile_measures_each_linears_sensitivity_and_plans_on_it() {
+    let d = tmp("measure");
+    let s = |p: &str| d.join(p).display().to_string();
+    let model = tiny("llama-gqa");
+    let txt = text(&d);
+    let (ok, out, err) = run(&[
+        "profile",
+        &model,
+        "--text",
+        &txt,
+        "--context",
+        "32",
+        "--measure-tokens",
+        "24",
+        "--measure-format",
+        "int8",
+        "-o",
+        &s("profile.json"),
+    ]);
+    assert!(ok, "profile --measure-tokens: {err}");
+    assert!(err.contains("measured") || out.contains("modules"), "{out}{err}");
+    let p: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(s("profile.json")).unwrap()).unwrap();
+    let mut linears = 0;
+    for (name, m) in p["modules"].as_object().unwrap() {
+        if m["kind"] != "linear" {
+            continue;
+        }
+        linears += 1;
+        let meas = &m["measured"];
+        assert_eq!(meas["format"], "int8", "{name}");
+        let v = meas["value"].as_f64().unwrap();
+        assert!(v > 0.0, "{name}: KL {v}");
+        assert_eq!(m["estimated_error"]["int8"].as_f64().unwrap(), v, "{name}");
+    }
+    assert!(linears > 0);
+    let (ok, out, err) = run(&[
+        "plan",
+        &s("profile.json"),
+        "--budget-bpw",
+        "6",
+        "-o",
+        &s("plan.json"),
+    ]);
+    assert!(ok, "plan on a measured profile: {err}");
+    assert!(out.contains("bits a weight"), "{out}");
+    // a format that is not one, and a BERT run, are refused before any work
+    let (ok, _, err) = run(&[
+        "profile",
+        &model,
+        "--text",
+        &txt,
+        "--measure-tokens",
+        "8",
+        "--measure-format",
+        "nf5",
+        "-o",
+        &s("bad.json"),
+    ]);
+    assert!(!ok && err.contains("nf5"), "{err}");
+    let (ok, _, err) = run(&[
+        "profile",
+        &model,
+        "--data",
+        &txt,
+        "--measure-tokens",
+        "8",
+        "-o",
+        &s("bad.json"),
+    ]);
+    assert!(!ok && err.contains("--measure-tokens is for decoders"), "{err}");
+    assert!(!d.join("bad.json").exists());
+}
+
+#[test]
 fn tiny_decoders_profile_plan_pack_evaluate_generate() {
     for name in ["llama-tied", "neox", "gpt2"] {
         let d = tmp(name);

@@ -210,6 +210,9 @@ pub(crate) struct ProfileOptions<'a> {
     pub(crate) context: Option<usize>,
     pub(crate) max_windows: Option<usize>,
     pub(crate) settings: compressme::profile::ProfileSettings,
+    /// Measure each linear's sensitivity on this many of the text's first tokens, at
+    /// this format.
+    pub(crate) measure: Option<(usize, compressme::quant::Format)>,
 }
 
 /// Profiles a decoder over consecutive windows of a text (one document), every linear
@@ -217,9 +220,9 @@ pub(crate) struct ProfileOptions<'a> {
 pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Profile> {
     use compressme::profile::ActivationRecorder;
     let text = read_text(o.text)?;
-    let lm = open(o.model)?;
+    let mut lm = open(o.model)?;
     let ids = lm.encode(&text)?;
-    let cfg = lm.model.config();
+    let cfg = lm.model.config().clone();
     let len = o
         .context
         .unwrap_or(cfg.context.min(512))
@@ -249,5 +252,32 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
         "profiled {} windows of {len} tokens",
         windows.len()
     ));
+    let mut profile = profile;
+    if let Some((n, format)) = o.measure {
+        let Some(head) = ids.get(..n.min(cfg.context)).filter(|h| h.len() >= 2) else {
+            bail!(
+                "--measure-tokens {n}: {} has {} tokens",
+                o.text.display(),
+                ids.len()
+            );
+        };
+        let linears = profile
+            .modules
+            .values()
+            .filter(|s| s.kind == compressme::nn::ModuleKind::Linear)
+            .count();
+        bar.stage("sensitivity", linears as u64);
+        compressme::offline::measure_decoder_sensitivity(
+            &mut lm.model,
+            &mut profile,
+            head,
+            format,
+            &bar,
+        )?;
+        bar.done(&format!(
+            "measured {linears} linears at {format} on {} tokens",
+            head.len()
+        ));
+    }
     Ok(profile)
 }

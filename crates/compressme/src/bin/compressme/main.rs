@@ -81,6 +81,16 @@ enum Command {
         /// --candidates` may then choose from.
         #[arg(long)]
         candidates: Option<String>,
+        /// Decoders: then measure each linear's sensitivity on the text's first N tokens
+        /// (the KL divergence from the model with that linear alone quantized to
+        /// --measure-format), and make it the estimate `plan --budget-bpw` minimises (the
+        /// real-model benchmark's budget plans; a forward pass from the linear's block on
+        /// per linear: minutes on a 135M model).
+        #[arg(long)]
+        measure_tokens: Option<usize>,
+        /// Decoders: the format each linear is quantized to for --measure-tokens.
+        #[arg(long, default_value = "nf4-g64")]
+        measure_format: String,
     },
     /// Choose a storage per module from a profile: under a budget in bits per weight
     /// (minimising the estimated error), or by the importance thresholds.
@@ -327,8 +337,15 @@ fn run() -> Result<()> {
             max_windows,
             density_threshold,
             candidates,
+            measure_tokens,
+            measure_format,
         } => {
             let settings = plan_cmds::profile_settings(density_threshold, candidates.as_deref())?;
+            let measure = measure_tokens
+                .map(|n| {
+                    Ok::<_, anyhow::Error>((n, compressme::quant::Format::parse(&measure_format)?))
+                })
+                .transpose()?;
             match (text, data) {
                 (Some(text), None) => plan_cmds::profile_decoder(&lm_cmds::ProfileOptions {
                     model: &model_dir,
@@ -337,7 +354,11 @@ fn run() -> Result<()> {
                     context,
                     max_windows,
                     settings,
+                    measure,
                 }),
+                (None, Some(_)) if measure.is_some() => {
+                    bail!("--measure-tokens is for decoders (--text): not with --data")
+                }
                 (None, Some(data)) => {
                     plan_cmds::profile(&model_dir, &data, &output, batch, max_len, settings)
                 }
