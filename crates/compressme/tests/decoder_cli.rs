@@ -74,7 +74,10 @@ fn profile_measures_each_linears_sensitivity_and_plans_on_it() {
         &s("profile.json"),
     ]);
     assert!(ok, "profile --measure-tokens: {err}");
-    assert!(err.contains("measured") || out.contains("modules"), "{out}{err}");
+    assert!(
+        err.contains("measured") || out.contains("modules"),
+        "{out}{err}"
+    );
     let p: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(s("profile.json")).unwrap()).unwrap();
     let mut linears = 0;
@@ -124,7 +127,10 @@ fn profile_measures_each_linears_sensitivity_and_plans_on_it() {
         "-o",
         &s("bad.json"),
     ]);
-    assert!(!ok && err.contains("--measure-tokens is for decoders"), "{err}");
+    assert!(
+        !ok && err.contains("--measure-tokens is for decoders"),
+        "{err}"
+    );
     assert!(!d.join("bad.json").exists());
 }
 
