@@ -13,14 +13,22 @@
 //! different order each round. The thread count goes to
 //! both candle and our kernels through `RAYON_NUM_THREADS` (the binary re-runs itself
 //! with it set).
+//!
+//! Our formats run once per kernel tier this CPU supports besides the portable one
+//! (`--tiers best` for the fastest only; `--tiers all` adds the portable tier), each row
+//! naming its tier; every tier gives the same bits, so only the times differ. Beside each
+//! batch-1 time is a **read floor**: the time one thread takes to stream a buffer of the
+//! weights' stored size, measured in the same rounds (a sum over it, best of the same
+//! repetitions), so it is cached or not exactly as the weights are. The CPU's features and
+//! candle's kernel path are printed above the table.
 
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use compressme_nn::{LlamaFormat, llama_quantize};
+use compressme_nn::{LlamaFormat, candle_kernel_tier, llama_quantize};
 use compressme_quant::synthetic::{MatrixKind, matrix, rel_rmse};
-use compressme_quant::{Format, GroupSize, Packed, matmul, quantize};
+use compressme_quant::{Backend, Format, GroupSize, Packed, Tier, matmul_with, quantize};
 
 const ERR_ROWS: usize = 256;
 const ERR_COLS: usize = 512;
@@ -35,31 +43,97 @@ fn s<E: std::fmt::Display>(e: E) -> String {
 struct Args {
     threads: usize,
     rounds: usize,
+    tiers: Vec<Tier>,
 }
 
 fn args() -> Fallible<Args> {
+    let simd: Vec<Tier> = Tier::ALL
+        .into_iter()
+        .filter(|t| *t != Tier::Portable && t.supported())
+        .collect();
     let mut a = Args {
         threads: 1,
         rounds: 9,
+        tiers: simd.clone(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let v = it.next().ok_or(format!("{k} needs a value"))?;
-        let n: usize = v
-            .parse()
-            .map_err(|_| format!("{k}: `{v}` is not a count"))?;
+        let count =
+            || -> Fallible<usize> { v.parse().map_err(|_| format!("{k}: `{v}` is not a count")) };
         match k.as_str() {
-            "--threads" => a.threads = n.max(1),
-            "--rounds" => a.rounds = n.max(1),
-            _ => return Err(format!("unknown option {k} (--threads N, --rounds R)")),
+            "--threads" => a.threads = count()?.max(1),
+            "--rounds" => a.rounds = count()?.max(1),
+            "--tiers" => {
+                a.tiers = match v.as_str() {
+                    "best" => vec![Tier::best()],
+                    "simd" => simd.clone(),
+                    "all" => Tier::ALL.into_iter().filter(|t| t.supported()).collect(),
+                    name => {
+                        let t = Tier::from_name(name).ok_or(format!(
+                            "--tiers {name}: best, simd, all, or a tier ({})",
+                            Tier::ALL.map(Tier::name).join(", ")
+                        ))?;
+                        if !t.supported() {
+                            return Err(format!("--tiers {name}: this CPU lacks {}", t.needs()));
+                        }
+                        vec![t]
+                    }
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "unknown option {k} (--threads N, --rounds R, --tiers best|simd|all|NAME)"
+                ));
+            }
         }
+    }
+    if a.tiers.is_empty() {
+        a.tiers = vec![Tier::Portable];
     }
     Ok(a)
 }
 
-/// A kernel under test: ours or candle's.
+/// The CPU's SIMD features that the tiers use, as `lscpu` names them.
+fn cpu_features() -> String {
+    let mut have = Vec::new();
+    macro_rules! probe {
+        ($($f:tt => $name:expr),*) => {
+            $(if is_x86_feature_detected!($f) { have.push($name); })*
+        };
+    }
+    probe!(
+        "avx2" => "avx2", "fma" => "fma", "f16c" => "f16c", "avx512f" => "avx512f",
+        "avx512bw" => "avx512bw", "avx512vl" => "avx512vl", "avx512vnni" => "avx512_vnni",
+        "avx512bf16" => "avx512_bf16", "avxvnni" => "avx_vnni"
+    );
+    if have.is_empty() {
+        "none of avx2 and up".into()
+    } else {
+        have.join(" ")
+    }
+}
+
+/// Seconds to stream `buf` once (a wrapping sum in eight lanes), best of `reps`.
+fn read_floor(buf: &[u64], reps: usize) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let mut acc = [0u64; 8];
+        for c in buf.chunks_exact(8) {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a = a.wrapping_add(*v);
+            }
+        }
+        std::hint::black_box(acc);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// A kernel under test: ours (on a tier) or candle's.
 enum Kernel {
-    Ours(Packed),
+    Ours(std::rc::Rc<Packed>, Tier),
     Candle(QMatMul),
 }
 
@@ -69,8 +143,12 @@ struct Row {
     rmse: [f64; 3],
     quantize_gbs: f64,
     kernel: Kernel,
+    /// The weights' stored bytes at 4096 x 4096.
+    stored: usize,
     /// Per batch size: (time, ratio to dense) per round.
     samples: [Vec<(f64, f64)>; 2],
+    /// Seconds to stream the stored bytes, per round.
+    floor: Vec<f64>,
 }
 
 fn best_of(reps: usize, mut f: impl FnMut() -> Fallible<()>) -> Fallible<Duration> {
@@ -85,7 +163,13 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Fallible<()>) -> Fallible<Duratio
 
 use compressme_eval::median;
 
-fn ours_row(format: Format, name: &str, mats: &[Vec<f32>], w: &[f32]) -> Fallible<Row> {
+fn ours_rows(
+    format: Format,
+    name: &str,
+    mats: &[Vec<f32>],
+    w: &[f32],
+    tiers: &[Tier],
+) -> Fallible<Vec<Row>> {
     let mut rmse = [0.0; 3];
     let mut bits = 0.0;
     for (r, m) in rmse.iter_mut().zip(mats) {
@@ -100,14 +184,20 @@ fn ours_row(format: Format, name: &str, mats: &[Vec<f32>], w: &[f32]) -> Fallibl
         packed = Some(quantize(w, N, N, format).map_err(s)?);
         Ok(())
     })?;
-    Ok(Row {
-        name: format!("ours {name}"),
-        bits,
-        rmse,
-        quantize_gbs: (N * N * 4) as f64 / t.as_secs_f64() / 1e9,
-        kernel: Kernel::Ours(packed.ok_or("no packed weights")?),
-        samples: [Vec::new(), Vec::new()],
-    })
+    let packed = std::rc::Rc::new(packed.ok_or("no packed weights")?);
+    Ok(tiers
+        .iter()
+        .map(|&tier| Row {
+            name: format!("ours {name} [{tier}]"),
+            bits,
+            rmse,
+            quantize_gbs: (N * N * 4) as f64 / t.as_secs_f64() / 1e9,
+            stored: packed.stored_bytes(),
+            kernel: Kernel::Ours(packed.clone(), tier),
+            samples: [Vec::new(), Vec::new()],
+            floor: Vec::new(),
+        })
+        .collect())
 }
 
 fn candle_row(f: LlamaFormat, mats: &[Vec<f32>], wt: &Tensor) -> Fallible<Row> {
@@ -124,8 +214,12 @@ fn candle_row(f: LlamaFormat, mats: &[Vec<f32>], wt: &Tensor) -> Fallible<Row> {
         qt = Some(QTensor::quantize(wt, dtype).map_err(s)?);
         Ok(())
     })?;
-    let qm = QMatMul::from_qtensor(qt.ok_or("no tensor")?).map_err(s)?;
+    let qt = qt.ok_or("no tensor")?;
+    let stored = qt.storage_size_in_bytes();
+    let qm = QMatMul::from_qtensor(qt).map_err(s)?;
     Ok(Row {
+        stored,
+        floor: Vec::new(),
         name: format!("llama.cpp {f:?} (candle)"),
         bits,
         rmse,
@@ -172,7 +266,7 @@ fn main() -> Fallible<()> {
     }
     for (f, name) in &ours {
         eprintln!("quantizing {name}");
-        rows.push(ours_row(*f, name, &mats, &w)?);
+        rows.extend(ours_rows(*f, name, &mats, &w, &a.tiers)?);
     }
     for f in LlamaFormat::ALL {
         eprintln!("quantizing {f:?}");
@@ -188,6 +282,8 @@ fn main() -> Fallible<()> {
             Ok((x, t))
         })
         .collect::<Fallible<_>>()?;
+    // the largest stored matrix is f32's 64 MiB; nothing here is larger
+    let stream: Vec<u64> = (0..(N * N * 4 / 8) as u64).collect();
     let mut dense = [Vec::new(), Vec::new()];
     for round in 0..a.rounds {
         eprintln!("timing round {}/{}", round + 1, a.rounds);
@@ -210,8 +306,8 @@ fn main() -> Fallible<()> {
                 };
                 let t = best_of(reps, || {
                     match &row.kernel {
-                        Kernel::Ours(p) => {
-                            matmul(x, batch, p).map_err(s)?;
+                        Kernel::Ours(p, tier) => {
+                            matmul_with(Backend::Tier(*tier), x, batch, p).map_err(s)?;
                         }
                         Kernel::Candle(q) => {
                             q.forward(xt).map_err(s)?;
@@ -221,6 +317,10 @@ fn main() -> Fallible<()> {
                 })?
                 .as_secs_f64();
                 row.samples[bi].push((t, t / d));
+                if batch == 1 {
+                    let buf = &stream[..row.stored.div_ceil(8).min(stream.len())];
+                    row.floor.push(read_floor(buf, reps));
+                }
             }
         }
     }
@@ -230,19 +330,30 @@ fn main() -> Fallible<()> {
         a.threads, a.rounds
     );
     println!(
-        "| format | bits/weight | rel. RMSE Gaussian | Student-t (3) | outlier rows | quantize GB/s | batch 1 ms | / dense | batch 32 ms | / dense |"
+        "CPU features: {}; our tiers: {}; candle's quantized kernels: {}.\n",
+        cpu_features(),
+        a.tiers
+            .iter()
+            .map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        candle_kernel_tier()
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     println!(
-        "| dense f32 (candle) | 32 | 0 | 0 | 0 | - | {:.3} | 1.00x | {:.2} | 1.00x |",
+        "| format | bits/weight | rel. RMSE Gaussian | Student-t (3) | outlier rows | quantize GB/s | batch 1 ms | / dense | read floor ms | / floor | batch 32 ms | / dense |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| dense f32 (candle) | 32 | 0 | 0 | 0 | - | {:.3} | 1.00x | - | - | {:.2} | 1.00x |",
         1e3 * median(dense[0].clone()),
         1e3 * median(dense[1].clone())
     );
     for row in &rows {
         let t = |i: usize| 1e3 * median(row.samples[i].iter().map(|p| p.0).collect());
         let r = |i: usize| median(row.samples[i].iter().map(|p| p.1).collect());
+        let floor = 1e3 * median(row.floor.clone());
         println!(
-            "| {} | {:.3} | {:.5} | {:.5} | {:.5} | {:.2} | {:.3} | {:.2}x | {:.2} | {:.2}x |",
+            "| {} | {:.3} | {:.5} | {:.5} | {:.5} | {:.2} | {:.3} | {:.2}x | {:.3} | {:.2}x | {:.2} | {:.2}x |",
             row.name,
             row.bits,
             row.rmse[0],
@@ -251,6 +362,14 @@ fn main() -> Fallible<()> {
             row.quantize_gbs,
             t(0),
             r(0),
+            floor,
+            median(
+                row.samples[0]
+                    .iter()
+                    .zip(&row.floor)
+                    .map(|(p, f)| p.0 / f)
+                    .collect()
+            ),
             t(1),
             r(1)
         );

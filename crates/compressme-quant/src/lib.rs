@@ -41,7 +41,7 @@ pub mod synthetic;
 pub use format::{
     Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_weighted,
 };
-pub use kernels::{Backend, NF4_I8, error_bound, matmul, matmul_with};
+pub use kernels::{Backend, NF4_I8, Tier, error_bound, kernel_tier, matmul, matmul_with};
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -80,6 +80,9 @@ pub enum Error {
     /// Packed buffers that do not match their format and shape.
     #[error("malformed packed weights: {0}")]
     Malformed(String),
+    /// A kernel tier this CPU cannot run, or a `COMPRESSME_KERNEL` that names none.
+    #[error("{0}")]
+    Kernel(String),
     /// A row id past the end.
     #[error("row {id} out of range for {rows} rows")]
     RowOutOfRange {

@@ -31,7 +31,7 @@ impl Token {
 }
 
 #[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_hadd_ps(s, s);
     _mm_cvtss_f32(_mm_hadd_ps(s, s))
@@ -393,7 +393,7 @@ unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
 /// the multi-row kernels prefetch (one cache line for each 64 bytes they read), so the
 /// memory stream runs ahead of the arithmetic. A prefetch is only a hint: it never faults,
 /// so the address may lie past the end of the matrix.
-fn following<const M: usize>(rows: &[&[u8]; M]) -> *const i8 {
+pub(super) fn following<const M: usize>(rows: &[&[u8]; M]) -> *const i8 {
     rows.last().map_or(std::ptr::null(), |r| {
         r.as_ptr().wrapping_add(r.len()).cast::<i8>()
     })

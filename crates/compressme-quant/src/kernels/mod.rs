@@ -8,6 +8,8 @@ use crate::{Error, Format, Packed, Result};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod portable;
 
 /// Largest magnitude of a rounded activation: 14-bit fixed point.
@@ -33,11 +35,112 @@ const INT4_I8: [i8; 16] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Backend {
-    /// The fastest the CPU supports (AVX2 + FMA + F16C on x86-64 when present).
+    /// The tier [`kernel_tier`] picks: the fastest the CPU supports, unless
+    /// `COMPRESSME_KERNEL` names another.
     Auto,
     /// Plain Rust, the same arithmetic: what runs on CPUs without AVX2, kept selectable
     /// so tests can hold the SIMD path to it.
     Portable,
+    /// A named tier; [`matmul_with`] refuses it by name when the CPU lacks it.
+    Tier(Tier),
+}
+
+/// A set of kernels for one instruction-set level, chosen at run time. Every tier gives
+/// the same bits for the same product (each computes the same exact `i32` group sums and
+/// runs the same f32 operations on them), so a tier changes speed, never results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Tier {
+    /// Plain Rust.
+    Portable,
+    /// AVX2, FMA and F16C: 14-bit activations times codes widened to 16 bits
+    /// (`vpmaddwd`).
+    Avx2,
+    /// AVX-512 F/BW/VL and AVX-512 VNNI on top of the AVX2 tier: 8-bit codes widened to
+    /// 16 bits 32 at a time (`vpdpwssd`); 4-bit codes as bytes against the activations
+    /// split into high and low bytes (`vpdpbusd`, 64 products an instruction). F16/BF16
+    /// and the fused small-batch 4-bit path run the AVX2 tier's code.
+    Avx512Vnni,
+}
+
+impl Tier {
+    /// Every tier, slowest first.
+    pub const ALL: [Self; 3] = [Self::Portable, Self::Avx2, Self::Avx512Vnni];
+
+    /// The name `COMPRESSME_KERNEL` takes.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// The tier a name stands for.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// The CPU features the tier needs, as `lscpu` names them.
+    #[must_use]
+    pub fn needs(self) -> &'static str {
+        match self {
+            Self::Portable => "nothing",
+            Self::Avx2 => "avx2, fma, f16c",
+            Self::Avx512Vnni => "avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512_vnni",
+        }
+    }
+
+    /// Whether this CPU runs the tier.
+    #[must_use]
+    pub fn supported(self) -> bool {
+        Isa::of(self).is_some()
+    }
+
+    /// The fastest tier this CPU runs.
+    #[must_use]
+    pub fn best() -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|t| t.supported())
+            .unwrap_or(Self::Portable)
+    }
+}
+
+impl std::fmt::Display for Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The tier [`Backend::Auto`] runs: `COMPRESSME_KERNEL` when it is set (read once a
+/// process), otherwise [`Tier::best`].
+///
+/// # Errors
+/// [`Error::Kernel`] when `COMPRESSME_KERNEL` names no tier, or one this CPU lacks.
+pub fn kernel_tier() -> Result<Tier> {
+    static CHOSEN: std::sync::OnceLock<std::result::Result<Tier, String>> =
+        std::sync::OnceLock::new();
+    CHOSEN
+        .get_or_init(|| match std::env::var("COMPRESSME_KERNEL") {
+            Err(_) => Ok(Tier::best()),
+            Ok(name) => match Tier::from_name(name.trim()) {
+                None => Err(format!(
+                    "COMPRESSME_KERNEL={name}: no such tier (one of {})",
+                    Tier::ALL.map(Tier::name).join(", ")
+                )),
+                Some(t) if !t.supported() => Err(format!(
+                    "COMPRESSME_KERNEL={name}: this CPU lacks what the tier needs ({})",
+                    t.needs()
+                )),
+                Some(t) => Ok(t),
+            },
+        })
+        .clone()
+        .map_err(Error::Kernel)
 }
 
 /// The instruction set a call runs with.
@@ -45,15 +148,52 @@ pub enum Backend {
 enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx2(avx2::Token),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(avx512::Token),
     Portable,
 }
 
 impl Isa {
-    fn pick(backend: Backend) -> Self {
-        match backend {
+    /// The tier's instruction set, when the CPU has it.
+    fn of(tier: Tier) -> Option<Self> {
+        match tier {
+            Tier::Portable => Some(Self::Portable),
             #[cfg(target_arch = "x86_64")]
-            Backend::Auto => avx2::Token::detect().map_or(Self::Portable, Self::Avx2),
-            _ => Self::Portable,
+            Tier::Avx2 => avx2::Token::detect().map(Self::Avx2),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512Vnni => avx512::Token::detect().map(Self::Avx512),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => None,
+        }
+    }
+
+    fn pick(backend: Backend) -> Result<Self> {
+        let tier = match backend {
+            Backend::Auto => kernel_tier()?,
+            Backend::Portable => Tier::Portable,
+            Backend::Tier(t) => t,
+        };
+        Self::of(tier).ok_or_else(|| {
+            Error::Kernel(format!(
+                "kernel tier {tier}: this CPU lacks what it needs ({})",
+                tier.needs()
+            ))
+        })
+    }
+
+    /// `x` prepared once a product for [`Isa::dot_rows`] on this tier.
+    fn row_input<'x>(self, x: &'x [i16], v: &RowsView<'_>) -> RowX<'x> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(_) if v.lut.is_some() => RowX {
+                x,
+                split: Some(avx512::SplitX::new(x, v.group)),
+            },
+            _ => RowX {
+                x,
+                #[cfg(target_arch = "x86_64")]
+                split: None,
+            },
         }
     }
 
@@ -68,6 +208,8 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_groups(t, w, xs, group, scales),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(t) => avx512::dot_groups(t, w, xs, group, scales),
             Self::Portable => portable::dot_groups(w, xs, group, scales),
         }
     }
@@ -85,6 +227,8 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_nibbles(t, codes, lut, xs, group, scales),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(t) => avx2::dot_nibbles(t.avx2(), codes, lut, xs, group, scales),
             Self::Portable => portable::dot_nibbles(codes, lut, xs, group, scales),
         }
     }
@@ -92,11 +236,13 @@ impl Isa {
     /// Rows `first..first + out.len()` of an integer matrix against one fixed-point `x`
     /// row, reading the stored codes in place: each the same bits as [`Isa::dot_groups`]
     /// or [`Isa::dot_nibbles`] gives for that row.
-    fn dot_rows(self, v: &RowsView<'_>, first: usize, x: &[i16], out: &mut [f32]) {
+    fn dot_rows(self, v: &RowsView<'_>, first: usize, x: &RowX<'_>, out: &mut [f32]) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2(t) => avx2::dot_rows(t, v, first, x, out),
-            Self::Portable => portable::dot_rows(v, first, x, out),
+            Self::Avx2(t) => avx2::dot_rows(t, v, first, x.x, out),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(t) => avx512::dot_rows(t, v, first, x.x, x.split.as_ref(), out),
+            Self::Portable => portable::dot_rows(v, first, x.x, out),
         }
     }
 
@@ -106,6 +252,8 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::decode_nibbles(t, codes, lut, out),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(t) => avx2::decode_nibbles(t.avx2(), codes, lut, out),
             Self::Portable => portable::decode_nibbles(codes, lut, out),
         }
     }
@@ -115,6 +263,8 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_f32(t, a, b),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(t) => avx2::dot_f32(t.avx2(), a, b),
             Self::Portable => portable::dot_f32(a, b),
         }
     }
@@ -124,6 +274,8 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_half(t, codes, bf16, xs),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512(t) => avx2::dot_half(t.avx2(), codes, bf16, xs),
             Self::Portable => portable::dot_half(codes, bf16, xs),
         }
     }
@@ -157,6 +309,13 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// One row of `x` for [`Isa::dot_rows`], with what the tier prepared from it.
+struct RowX<'x> {
+    x: &'x [i16],
+    #[cfg(target_arch = "x86_64")]
+    split: Option<avx512::SplitX>,
 }
 
 /// Rows of `x` rounded to 14-bit fixed point, each padded with zeros to `kp` values.
@@ -456,11 +615,13 @@ pub fn matmul(x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
 /// [`matmul`] on a chosen [`Backend`].
 ///
 /// # Errors
-/// [`Error::Shape`] when `x` is not `batch * cols` long.
+/// [`Error::Shape`] when `x` is not `batch * cols` long; [`Error::Kernel`] when the
+/// backend names a tier this CPU lacks (or `COMPRESSME_KERNEL` does, for
+/// [`Backend::Auto`]).
 pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
     let (rows, cols) = (w.rows(), w.cols());
     check_input(x, batch, cols)?;
-    let isa = Isa::pick(backend);
+    let isa = Isa::pick(backend)?;
     // [rows, batch] first: each task owns whole output rows
     let mut yt = vec![0f32; rows * batch];
     if batch == 0 {
@@ -534,8 +695,9 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     // one row of x (generation): four weight rows at a time read the stored codes in
     // place and share each load of x
     if batch == 1 && (fused || (!four_bit && cols.is_multiple_of(STEP))) {
-        let (x, d) = (fx.row(0), fx.d.first().copied().unwrap_or(0.0));
+        let d = fx.d.first().copied().unwrap_or(0.0);
         let view = RowsView::new(w, fx.kp);
+        let x = isa.row_input(fx.row(0), &view);
         run_tasks(
             yt,
             ROWS_PER_TASK,
@@ -543,7 +705,7 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             || (),
             |(), (task, out)| {
                 let first = task * ROWS_PER_TASK;
-                isa.dot_rows(&view, first, x, out);
+                isa.dot_rows(&view, first, &x, out);
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = with_mins(*o, first + k, 0) * d;
                 }
@@ -630,6 +792,11 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
     let cols = w.cols();
     let bf16 = matches!(w.format(), Format::Bf16);
     let rb = w.format().row_code_bytes(cols);
+    #[cfg(target_arch = "x86_64")]
+    if let (Isa::Avx512(t), true) = (isa, batch >= 2) {
+        half_tiles(t, x, batch, w, yt);
+        return;
+    }
     run_tasks(
         yt,
         batch,
@@ -652,6 +819,117 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
                     }
                 },
             );
+        },
+    );
+}
+
+/// Weight rows a task of [`half_tiles`] takes, and pairs of `x` rows a kernel call.
+#[cfg(target_arch = "x86_64")]
+const HALF_ROWS: usize = 4;
+#[cfg(target_arch = "x86_64")]
+const HALF_PAIRS: usize = 4;
+
+/// [`half_rows`] on the AVX-512 tier, batch 2 and up: four weight rows a task, against
+/// up to four pairs of `x` rows a call (16 accumulators), each weight converted once for
+/// eight `x` rows; an odd last `x` row runs the AVX2 kernel. The same bits as
+/// [`half_rows`] on the AVX2 tier.
+#[cfg(target_arch = "x86_64")]
+fn half_tiles(t: avx512::Token, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
+    let cols = w.cols();
+    let bf16 = matches!(w.format(), Format::Bf16);
+    let rb = w.format().row_code_bytes(cols);
+    let body = cols / 8 * 8;
+    let pairs = batch / 2;
+    // pair p: rows 2p and 2p + 1, eight values of each in turn
+    let mut x2 = vec![0f32; pairs * 2 * body];
+    for (p, out) in x2.chunks_exact_mut(2 * body.max(1)).enumerate().take(pairs) {
+        let (a, b) = (2 * p * cols, (2 * p + 1) * cols);
+        for (s, o) in out.chunks_exact_mut(16).enumerate() {
+            let (lo, hi) = o.split_at_mut(8);
+            lo.copy_from_slice(x.get(a + 8 * s..a + 8 * s + 8).unwrap_or(&[0.0; 8]));
+            hi.copy_from_slice(x.get(b + 8 * s..b + 8 * s + 8).unwrap_or(&[0.0; 8]));
+        }
+    }
+    let pair = |p: usize| x2.get(2 * body * p..2 * body * (p + 1)).unwrap_or(&[]);
+    let xrow = |b: usize| x.get(b * cols..(b + 1) * cols).unwrap_or(&[]);
+    let codes_of = |r: usize| w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+    // the AVX2 kernel's tail: the columns past `body`, added to the head sum
+    let tail = |codes: &[u8], b: usize| {
+        let [v] = portable::dot_half(
+            codes.get(2 * body..).unwrap_or(&[]),
+            bf16,
+            [xrow(b).get(body..).unwrap_or(&[])],
+        );
+        v
+    };
+    let narrow = Isa::Avx2(t.avx2());
+    run_tasks(
+        yt,
+        batch * HALF_ROWS,
+        batch * w.rows() * cols,
+        || (),
+        |(), (task, out)| {
+            let r0 = task * HALF_ROWS;
+            let n = out.len() / batch;
+            let mut p0 = 0;
+            while p0 < pairs {
+                let np = (pairs - p0).min(HALF_PAIRS);
+                // each (row, pair) head, as [row][pair][0 or 1]
+                let mut heads = [[[0f32; 2]; HALF_PAIRS]; HALF_ROWS];
+                let mut done = false;
+                if n == HALF_ROWS {
+                    let codes = [0, 1, 2, 3].map(|k| codes_of(r0 + k));
+                    macro_rules! tile {
+                        ($p:literal) => {{
+                            let xs: [&[f32]; $p] = std::array::from_fn(|k| pair(p0 + k));
+                            if let Some(h) = avx512::dot_half_tile(t, codes, bf16, xs, body) {
+                                for (dst, src) in heads.iter_mut().zip(h) {
+                                    dst[..$p].copy_from_slice(&src);
+                                }
+                                done = true;
+                            }
+                        }};
+                    }
+                    match np {
+                        1 => tile!(1),
+                        2 => tile!(2),
+                        3 => tile!(3),
+                        _ => tile!(4),
+                    }
+                }
+                if !done {
+                    for (k, dst) in heads.iter_mut().enumerate().take(n) {
+                        for (q, d) in dst.iter_mut().enumerate().take(np) {
+                            let xs = [pair(p0 + q)];
+                            if let Some([[h]]) =
+                                avx512::dot_half_tile(t, [codes_of(r0 + k)], bf16, xs, body)
+                            {
+                                *d = h;
+                            }
+                        }
+                    }
+                }
+                for ((k, yr), hk) in out.chunks_exact_mut(batch).enumerate().zip(&heads) {
+                    let codes = codes_of(r0 + k);
+                    for (q, hq) in hk.iter().enumerate().take(np) {
+                        for (half, h) in hq.iter().enumerate() {
+                            let b = 2 * (p0 + q) + half;
+                            if let Some(o) = yr.get_mut(b) {
+                                *o = h + tail(codes, b);
+                            }
+                        }
+                    }
+                }
+                p0 += np;
+            }
+            if batch % 2 == 1 {
+                let b = batch - 1;
+                for (k, yr) in out.chunks_exact_mut(batch).enumerate() {
+                    if let Some(o) = yr.get_mut(b) {
+                        [*o] = narrow.dot_half(codes_of(r0 + k), bf16, [xrow(b)]);
+                    }
+                }
+            }
         },
     );
 }

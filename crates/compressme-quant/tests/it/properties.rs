@@ -1,7 +1,7 @@
 //! Exact properties, the fast kernel against the scalar reference, and bad input.
 
 use compressme_quant::{
-    Backend, Error, Format, GroupSize, Packed, error_bound, matmul, matmul_with, quantize,
+    Backend, Error, Format, GroupSize, Packed, Tier, error_bound, matmul, matmul_with, quantize,
     reference,
 };
 use proptest::prelude::*;
@@ -118,6 +118,32 @@ proptest! {
             let one = matmul_with(backend, &x[..cols], 1, &q).unwrap();
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&one), bits(&all[..rows]), "{:?} {:?}", format, backend);
+        }
+    }
+
+    /// Every SIMD tier this CPU runs gives the AVX2 tier's bits (the same exact integer
+    /// sums, the same f32 operations on them), at every batch size and on rows long
+    /// enough to reach the wide kernels, tails and odd group counts included. Tiers the
+    /// CPU lacks are named on stderr as skipped.
+    #[test]
+    fn every_tier_gives_the_bits_of_the_avx2_tier(
+        format in format(),
+        rows in 1usize..=9,
+        cols in prop_oneof![1usize..=700, Just(576), Just(1536), Just(1024), Just(2112)],
+        batch in prop_oneof![Just(1usize), 0usize..=7],
+        seed in any::<u64>(),
+    ) {
+        let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
+        let x = weights(batch, cols, seed ^ 0x5eed);
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let tiers = supported_tiers();
+        if !tiers.contains(&Tier::Avx2) {
+            return Ok(());
+        }
+        let want = bits(matmul_with(Backend::Tier(Tier::Avx2), &x, batch, &q).unwrap());
+        for tier in tiers.into_iter().filter(|&t| t > Tier::Avx2) {
+            let got = bits(matmul_with(Backend::Tier(tier), &x, batch, &q).unwrap());
+            prop_assert_eq!(&got, &want, "{:?} on {}", format, tier);
         }
     }
 
@@ -307,8 +333,47 @@ fn wire_tags_are_stable() {
     assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7, 8]);
 }
 
+/// The tiers this CPU runs; the others are named on stderr as skipped, never passed.
+fn supported_tiers() -> Vec<Tier> {
+    Tier::ALL
+        .into_iter()
+        .filter(|t| {
+            let ok = t.supported();
+            if !ok {
+                eprintln!("skipped: tier {t} (this CPU lacks {})", t.needs());
+            }
+            ok
+        })
+        .collect()
+}
+
+/// A tier the CPU lacks is refused by name, not run on another; one it has runs.
+#[test]
+fn a_tier_the_cpu_lacks_is_refused_by_name() {
+    let q = quantize(&weights(2, 64, 1), 2, 64, Format::Int8Rows).unwrap();
+    let x = weights(1, 64, 2);
+    for tier in Tier::ALL {
+        let got = matmul_with(Backend::Tier(tier), &x, 1, &q);
+        if tier.supported() {
+            assert_eq!(got.unwrap().len(), 2, "{tier}");
+        } else {
+            eprintln!(
+                "skipped running: tier {tier} (this CPU lacks {})",
+                tier.needs()
+            );
+            let e = got.unwrap_err();
+            assert!(matches!(e, Error::Kernel(_)), "{e:?}");
+            assert!(e.to_string().contains(tier.name()), "{e}");
+        }
+        assert_eq!(Tier::from_name(tier.name()), Some(tier));
+    }
+    assert!(Tier::Portable.supported());
+    assert!(Tier::best().supported());
+    assert_eq!(Tier::from_name("avx1024"), None);
+}
+
 /// Rows long enough to need several `i32` flushes, at the largest codes and activations:
-/// no lane overflows, on either backend.
+/// no lane overflows, on any backend or tier.
 #[test]
 fn long_rows_at_the_extremes_do_not_overflow() {
     // 4096: packed codes read directly at small batches; 4100: decoded rows
@@ -320,9 +385,11 @@ fn long_rows_at_the_extremes_do_not_overflow() {
         for sign in [1.0f32, -1.0] {
             let w = vec![sign; rows * cols];
             let q = quantize(&w, rows, cols, format).unwrap();
-            for (backend, batch) in [Backend::Auto, Backend::Portable]
+            for (backend, batch) in supported_tiers()
                 .into_iter()
-                .flat_map(|b| [(b, 2), (b, 6)])
+                .map(Backend::Tier)
+                .chain([Backend::Auto, Backend::Portable])
+                .flat_map(|b| [(b, 1), (b, 2), (b, 6)])
             {
                 let x = vec![1.0f32; batch * cols];
                 let y = matmul_with(backend, &x, batch, &q).unwrap();

@@ -1,0 +1,508 @@
+//! The kernels with AVX-512 (F, BW, VL) and AVX-512 VNNI: the same exact integer sums as
+//! the AVX2 tier, in fewer instructions, so every output is the same bits.
+//!
+//! # Why the bits do not change
+//! The AVX2 kernels sum each group's products exactly in eight `i32` lanes, lane `l`
+//! holding the products at the positions `p` of `x` with `(p mod 16) / 2 == l` (its
+//! *class*); then each lane is converted to f32, scaled, and accumulated, and the eight
+//! lanes are summed at the end. These kernels compute the same eight exact class sums by
+//! other means and then run the same f32 operations in the same order:
+//! - **8-bit codes** (`vpdpwssd`): codes widened to `i16` meet the 14-bit activations 32
+//!   at a time; lane `m` of the 16 holds the pair at positions `2m, 2m + 1`, class
+//!   `m mod 8`, so adding the upper half of the register to the lower gives the eight
+//!   class sums.
+//! - **4-bit codes** (`vpdpbusd`, 64 byte products an instruction): codes decode through
+//!   the table plus 128 to unsigned bytes `u = w + 128`, and each activation is split as
+//!   `x = 256 · xh + xl` (`xl` in `-128..=127`, `xh` in `-32..=32`), so
+//!   `Σ w·x = Σ u·xl + 256 · Σ u·xh − 128 · Σ x`, both sums unsigned-by-signed byte
+//!   products and `128 · Σ x` per group and class worked out once a product
+//!   ([`SplitX`]). The decoded codes of a 16-byte run are interleaved so that the four
+//!   bytes each `i32` lane sums all belong to one class; [`SplitX`] lays out `x` the same
+//!   way.
+//!
+//! Every `unsafe` here is one of three things: calling a `#[target_feature]` function,
+//! which a [`Token`] makes sound (it exists only after the CPU was seen to have the
+//! features); an unaligned load inside a range the safe wrapper checked first; or a
+//! masked load, which reads only the lanes its mask selects (the others are not
+//! accessed, so they cannot fault), each selected lane inside a checked range.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m256, __m256i, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
+    _mm256_broadcastsi128_si256, _mm256_castpd_ps, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
+    _mm256_loadu_si256, _mm256_maskz_loadu_epi8, _mm256_set1_ps, _mm256_setzero_ps,
+    _mm256_sub_epi32, _mm512_add_epi32, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd,
+    _mm512_castps512_ps256, _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16,
+    _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_dpwssd_epi32,
+    _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps, _mm512_loadu_ps,
+    _mm512_loadu_si512, _mm512_maskz_loadu_epi8, _mm512_maskz_loadu_epi16,
+    _mm512_permutex2var_epi64, _mm512_set1_epi8, _mm512_setr_epi64, _mm512_setzero_ps,
+    _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_slli_epi32, _mm512_srli_epi16,
+    _mm512_unpackhi_epi16, _mm512_unpacklo_epi16,
+};
+
+use super::avx2::{self, following, hsum};
+use super::{RowScales, RowsView};
+
+/// Proof that the CPU has AVX-512 F, BW, VL and VNNI, besides what the AVX2 tier needs.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Token(avx2::Token);
+
+impl Token {
+    pub(super) fn detect() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
+        avx2::Token::detect().filter(|_| ok).map(Self)
+    }
+
+    /// The AVX2 tier, which runs whatever this one has no faster path for.
+    pub(super) fn avx2(self) -> avx2::Token {
+        self.0
+    }
+}
+
+/// Weights per 64 bytes of 4-bit codes: the unit of the 4-bit kernel.
+const CHUNK: usize = 128;
+
+/// One row of 14-bit activations in nibble order, split for the 4-bit kernel:
+/// `x = 256 · xh + xl`, laid out so that each `i32` lane of `vpdpbusd` sums one class.
+pub(super) struct SplitX {
+    /// Low parts (signed), [`CHUNK`] a chunk of 128 weights (zero past the row).
+    xl: Vec<i8>,
+    /// High parts, in the same layout.
+    xh: Vec<i8>,
+    /// Per group of `group` positions, per class: `128 · Σ x`, what the codes' bias of
+    /// 128 adds.
+    corr: Vec<i32>,
+    group: usize,
+}
+
+/// Where byte `t` of lane `k` (class `k`, or `k + 4` in the second half) of run `j` in a
+/// chunk's split layout comes from: the position in the chunk of `x` in nibble order.
+fn split_source(half: usize, j: usize, k: usize, t: usize) -> usize {
+    let class = k + 4 * half;
+    let within = [2 * class, 2 * class + 1, 16 + 2 * class, 17 + 2 * class];
+    32 * j + within[t % 4]
+}
+
+impl SplitX {
+    /// `x` (14-bit, nibble order) for rows multiplied in groups of `group` positions.
+    pub(super) fn new(x: &[i16], group: usize) -> Self {
+        let chunks = x.len().div_ceil(CHUNK);
+        let (mut xl, mut xh) = (vec![0i8; chunks * CHUNK], vec![0i8; chunks * CHUNK]);
+        for c in 0..chunks {
+            for half in 0..2 {
+                for j in 0..4 {
+                    for k in 0..4 {
+                        for t in 0..4 {
+                            let src = CHUNK * c + split_source(half, j, k, t);
+                            let dst = CHUNK * c + 64 * half + 16 * j + 4 * k + t;
+                            let v = i32::from(x.get(src).copied().unwrap_or(0));
+                            // x = 256 · h + l, l in -128..=127 (|x| <= 8191: |h| <= 32)
+                            let l = ((v + 128) & 0xff) - 128;
+                            if let (Some(lo), Some(hi)) = (xl.get_mut(dst), xh.get_mut(dst)) {
+                                *lo = l as i8;
+                                *hi = ((v - l) >> 8) as i8;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let group = group.max(1);
+        let mut corr = vec![0i32; x.len().div_ceil(group) * 8];
+        for (p, &v) in x.iter().enumerate() {
+            if let Some(c) = corr.get_mut(p / group * 8 + (p % 16) / 2) {
+                *c += 128 * i32::from(v);
+            }
+        }
+        Self {
+            xl,
+            xh,
+            corr,
+            group,
+        }
+    }
+}
+
+/// Runs `$body` (an expression over arrays `$codes` and `$scales` of rows) on the rows
+/// from `$first`, four at a time, then one at a time for the rest: the body is expanded
+/// for both array lengths.
+macro_rules! in_quads {
+    ($v:expr, $first:expr, $out:expr, |$codes:ident, $scales:ident| $body:expr) => {{
+        let (v, first) = ($v, $first);
+        for (i, quad) in $out.chunks_mut(4).enumerate() {
+            let r = first + 4 * i;
+            if let Ok(quad) = <&mut [f32; 4]>::try_from(&mut *quad) {
+                let $codes = [0, 1, 2, 3].map(|k| v.codes_of(r + k));
+                let $scales = [0, 1, 2, 3].map(|k| v.scales_of(r + k));
+                *quad = $body;
+            } else {
+                for (k, o) in quad.iter_mut().enumerate() {
+                    let $codes = [v.codes_of(r + k)];
+                    let $scales = [v.scales_of(r + k)];
+                    [*o] = $body;
+                }
+            }
+        }
+    }};
+}
+
+/// `Σ_g scales[g] · Σ_{j in g} w_j x_j` for each `x` row, from decoded 8-bit codes.
+pub(super) fn dot_groups<const N: usize>(
+    t: Token,
+    w: &[i8],
+    xs: [&[i16]; N],
+    group: usize,
+    scales: &[f32],
+) -> [f32; N] {
+    let kp = w.len();
+    let fits = group > 0
+        && group.is_multiple_of(32)
+        && kp.is_multiple_of(16)
+        && xs.iter().all(|x| x.len() >= kp);
+    if !fits {
+        return avx2::dot_groups(t.avx2(), w, xs, group, scales);
+    }
+    // SAFETY: `i8` and `u8` have the same size and alignment, and every bit pattern
+    let bytes: &[u8] = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len()) };
+    // SAFETY: the token proves the features; `fits` checked the lengths the loads rely on.
+    let [out] =
+        unsafe { int8_imp::<1, N>([bytes], xs, group, [RowScales::Groups(scales, 1.0)], false) };
+    out
+}
+
+/// Rows `first..first + out.len()` of an integer matrix against one `x` row, four rows a
+/// call, the same bits as the AVX2 tier's `dot_rows`. `split` is `x` split for the 4-bit
+/// kernel ([`SplitX::new`] with the matrix's group); without it, or for a group size this
+/// tier has no kernel for, the AVX2 tier runs.
+pub(super) fn dot_rows(
+    t: Token,
+    v: &RowsView<'_>,
+    first: usize,
+    x: &[i16],
+    split: Option<&SplitX>,
+    out: &mut [f32],
+) {
+    let (rb, group) = (v.row_bytes, v.group);
+    let rows_fit = rb.is_multiple_of(16)
+        && first
+            .checked_add(out.len())
+            .and_then(|end| end.checked_mul(rb))
+            .is_some_and(|end| end <= v.codes.len());
+    match (v.lut, split) {
+        (Some(lut), Some(sx))
+            if rows_fit
+                && sx.group == group
+                && (group == 64 || group.is_multiple_of(CHUNK))
+                && sx.xl.len() >= (2 * rb).div_ceil(CHUNK) * CHUNK
+                && sx.corr.len() >= (2 * rb).div_ceil(group) * 8 =>
+        {
+            in_quads!(v, first, out, |codes, scales| {
+                // SAFETY: the token proves the features; every row is `rb` bytes (a
+                // multiple of 16) and `sx` covers the chunks and groups of such a row.
+                unsafe { nibble_rows_imp(codes, lut, sx, group, scales) }
+            });
+        }
+        (None, _) if rows_fit && group.is_multiple_of(32) && x.len() >= rb => {
+            in_quads!(v, first, out, |codes, scales| {
+                // SAFETY: the token proves the features; every row is `rb` bytes (a
+                // multiple of 16) and `x` is at least that long.
+                unsafe { int8_imp(codes, [x], group, scales, true) }.map(|[o]| o)
+            });
+        }
+        _ => avx2::dot_rows(t.avx2(), v, first, x, out),
+    }
+}
+
+/// The eight class sums of a 16-lane `vpdpwssd` accumulator: lane `m` holds class
+/// `m mod 8`, so the upper half added to the lower.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+fn fold_words(acc: __m512i) -> __m256i {
+    _mm256_add_epi32(
+        _mm512_castsi512_si256(acc),
+        _mm512_extracti64x4_epi64::<1>(acc),
+    )
+}
+
+/// A group's eight exact class sums, scaled, into an f32 accumulator: the AVX2 tier's
+/// flush, operation for operation.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+fn flush(f: &mut __m256, classes: __m256i, scale: f32) {
+    *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(classes), _mm256_set1_ps(scale), *f);
+}
+
+/// `M` rows of 8-bit codes against `N` rows of 14-bit `x`, 32 weights a step
+/// (`vpdpwssd`), the row's scale per group. `ahead`: prefetch the rows that follow the
+/// last of `w` (the batch-1 stream).
+///
+/// # Safety
+/// The token's features present; the shortest row of `w` a multiple of 16 long, `group`
+/// a multiple of 32, every `x` at least that long.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn int8_imp<const M: usize, const N: usize>(
+    w: [&[u8]; M],
+    xs: [&[i16]; N],
+    group: usize,
+    scales: [RowScales<'_>; M],
+    ahead: bool,
+) -> [[f32; N]; M] {
+    let kp = w.iter().map(|r| r.len()).min().unwrap_or(0);
+    let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
+    let next = following(&w);
+    let mut f = [[_mm256_setzero_ps(); N]; M];
+    let mut start = 0;
+    for g in 0..groups {
+        if start >= kp {
+            break;
+        }
+        let end = (start + group).min(kp);
+        // two accumulators a pair of rows, alternate steps: two `vpdpwssd` chains in flight
+        let mut acc = [[[_mm512_setzero_si512(); 2]; N]; M];
+        let mut c = start;
+        let mut odd = 0;
+        while c < end {
+            // 32 weights, or the row's last 16 (the rest of the lanes masked off: zero)
+            let mask: u32 = if end - c >= 32 { u32::MAX } else { 0xffff };
+            if ahead {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * c));
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * c + 64));
+            }
+            let mut xv = [_mm512_setzero_si512(); N];
+            for (v, x) in xv.iter_mut().zip(&xs) {
+                // SAFETY: the selected lanes are c..c + 32 (or c + 16) <= end <= kp,
+                // inside every `x` (caller)
+                *v = unsafe { _mm512_maskz_loadu_epi16(mask, x.as_ptr().add(c)) };
+            }
+            for (a, r) in acc.iter_mut().zip(&w) {
+                // SAFETY: as for `x`: the selected bytes are inside every row (caller)
+                let wv = _mm512_cvtepi8_epi16(unsafe {
+                    _mm256_maskz_loadu_epi8(mask, r.as_ptr().add(c).cast())
+                });
+                for (ai, &xi) in a.iter_mut().zip(&xv) {
+                    if let Some(ai) = ai.get_mut(odd) {
+                        *ai = _mm512_dpwssd_epi32(*ai, wv, xi);
+                    }
+                }
+            }
+            odd ^= 1;
+            c += 32;
+        }
+        for ((fm, am), s) in f.iter_mut().zip(acc).zip(&scales) {
+            let scale = s.get(g);
+            for (fi, [a0, a1]) in fm.iter_mut().zip(am) {
+                flush(fi, fold_words(_mm512_add_epi32(a0, a1)), scale);
+            }
+        }
+        start = end;
+    }
+    f.map(|row| row.map(|v| hsum(v)))
+}
+
+/// The class sums of one chunk's 4-bit accumulators, as two groups of two runs
+/// (`[A01, B01]` and `[A23, B23]`, for groups of 64) where `l`, `h` hold the sums of
+/// `u · xl` and `u · xh` for the first four classes (`[0]`) and the last four
+/// (`[1]`), each 128-bit lane one run.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+fn fold_pairs(l: [__m512i; 2], h: [__m512i; 2]) -> (__m256i, __m256i) {
+    let a = _mm512_add_epi32(l[0], _mm512_slli_epi32::<8>(h[0]));
+    let b = _mm512_add_epi32(l[1], _mm512_slli_epi32::<8>(h[1]));
+    // [A0, B0, A2, B2] + [A1, B1, A3, B3], by 64-bit lanes (8-15 from `b`)
+    let p = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), b);
+    let q = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), b);
+    let s = _mm512_add_epi32(p, q);
+    (_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s))
+}
+
+/// Group `g`'s eight corrections.
+///
+/// # Safety
+/// AVX present; `sx` holds group `g` (`8 * g + 8 <= sx.corr.len()`).
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn corr_of(sx: &SplitX, g: usize) -> __m256i {
+    // SAFETY: in range (caller)
+    unsafe { _mm256_loadu_si256(sx.corr.as_ptr().add(8 * g).cast::<__m256i>()) }
+}
+
+/// `M` rows of 4-bit codes (indices into `lut`) against one split row of `x`, 128 weights
+/// (64 code bytes, four runs) a step with `vpdpbusd`.
+///
+/// # Safety
+/// The token's features present; `group` 64 or a multiple of 128 and `sx` split for it;
+/// `sx` covers the shortest row's chunks (`CHUNK` bytes of `xl` and of `xh` for each 64
+/// code bytes, rounded up) and groups (8 corrections each).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn nibble_rows_imp<const M: usize>(
+    codes: [&[u8]; M],
+    lut: &[i8; 16],
+    sx: &SplitX,
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let runs = codes.iter().map(|r| r.len()).min().unwrap_or(0) / 16;
+    let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
+    let runs_a_group = group / 32;
+    // SAFETY: `lut` is 16 bytes
+    let biased = lut.map(|v| v ^ i8::MIN);
+    // SAFETY: `biased` is 16 bytes
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(biased.as_ptr().cast()) });
+    let low = _mm512_set1_epi8(0x0f);
+    let zero = _mm512_setzero_si512();
+    let next = following(&codes);
+    let mut f = [_mm256_setzero_ps(); M];
+    let (mut l, mut h) = ([[zero; 2]; M], [[zero; 2]; M]);
+    for chunk in 0..runs.div_ceil(4) {
+        let first_run = 4 * chunk;
+        let n = (runs - first_run).min(4);
+        let mask: u64 = if n == 4 {
+            u64::MAX
+        } else {
+            (1u64 << (16 * n)) - 1
+        };
+        for k in 0..4 {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * 64 * chunk + 64 * k));
+        }
+        // SAFETY: bytes CHUNK * chunk.. + CHUNK of `xl` and `xh` are in range (caller)
+        let (xla, xlb, xha, xhb) = unsafe {
+            let (pl, ph) = (
+                sx.xl.as_ptr().add(CHUNK * chunk),
+                sx.xh.as_ptr().add(CHUNK * chunk),
+            );
+            (
+                _mm512_loadu_si512(pl.cast()),
+                _mm512_loadu_si512(pl.add(64).cast()),
+                _mm512_loadu_si512(ph.cast()),
+                _mm512_loadu_si512(ph.add(64).cast()),
+            )
+        };
+        for ((lm, hm), r) in l.iter_mut().zip(h.iter_mut()).zip(&codes) {
+            // SAFETY: the selected bytes, 16 * first_run .. + 16 * n, are within the
+            // row's `16 * runs` (the rest are not read)
+            let c = unsafe { _mm512_maskz_loadu_epi8(mask, r.as_ptr().add(64 * chunk).cast()) };
+            let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(c, low));
+            let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(c), low));
+            // per run, 4 bytes a lane, one class each: low nibbles 2k, 2k + 1, then high;
+            // each the code's value plus 128, unsigned
+            let (a, b) = (_mm512_unpacklo_epi16(lo, hi), _mm512_unpackhi_epi16(lo, hi));
+            lm[0] = _mm512_dpbusd_epi32(lm[0], a, xla);
+            lm[1] = _mm512_dpbusd_epi32(lm[1], b, xlb);
+            hm[0] = _mm512_dpbusd_epi32(hm[0], a, xha);
+            hm[1] = _mm512_dpbusd_epi32(hm[1], b, xhb);
+        }
+        let done = first_run + n;
+        if runs_a_group == 2 {
+            // two groups a chunk (one when the row ends after two runs)
+            let g = 2 * chunk;
+            for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
+                let (first, second) = fold_pairs(*lm, *hm);
+                if g < groups {
+                    // SAFETY: a group the row reaches, which `sx` covers (caller)
+                    let cg = unsafe { corr_of(sx, g) };
+                    flush(fm, _mm256_sub_epi32(first, cg), s.get(g));
+                }
+                if n > 2 && g + 1 < groups {
+                    // SAFETY: a group the row reaches, which `sx` covers (caller)
+                    let cg = unsafe { corr_of(sx, g + 1) };
+                    flush(fm, _mm256_sub_epi32(second, cg), s.get(g + 1));
+                }
+                (*lm, *hm) = ([zero; 2], [zero; 2]);
+            }
+        } else if done.is_multiple_of(runs_a_group) || done == runs {
+            let g = first_run / runs_a_group;
+            for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
+                let (first, second) = fold_pairs(*lm, *hm);
+                if g < groups {
+                    let classes = _mm256_add_epi32(first, second);
+                    // SAFETY: a group the row reaches, which `sx` covers (caller)
+                    let cg = unsafe { corr_of(sx, g) };
+                    flush(fm, _mm256_sub_epi32(classes, cg), s.get(g));
+                }
+                (*lm, *hm) = ([zero; 2], [zero; 2]);
+            }
+        }
+    }
+    f.map(|v| hsum(v))
+}
+
+/// `R` rows of F16 (or BF16) codes against `P` pairs of `x` rows, the first `body`
+/// columns (a multiple of 8): `[row][pair][0 or 1]`, each the AVX2 tier's head sum for
+/// that row and `x` row, the same bits (its eight lanes run the same `fma`s in the same
+/// order; a 512-bit register holds the lanes of two `x` rows, so one conversion of the
+/// weights and one `fma` serve both). `x2[p]` holds pair `p` interleaved eight at a time:
+/// `a[0..8], b[0..8], a[8..16], b[8..16], ...`. `None` when a slice is too short.
+pub(super) fn dot_half_tile<const R: usize, const P: usize>(
+    t: Token,
+    codes: [&[u8]; R],
+    bf16: bool,
+    x2: [&[f32]; P],
+    body: usize,
+) -> Option<[[[f32; 2]; P]; R]> {
+    let fits = body.is_multiple_of(8)
+        && codes.iter().all(|c| c.len() >= 2 * body)
+        && x2.iter().all(|x| x.len() >= 2 * body);
+    if !fits {
+        return None;
+    }
+    let _ = t;
+    // SAFETY: the token proves the features; `fits` checked the lengths the loads rely on
+    Some(unsafe {
+        if bf16 {
+            half_tile_imp::<R, P, true>(codes, x2, body)
+        } else {
+            half_tile_imp::<R, P, false>(codes, x2, body)
+        }
+    })
+}
+
+/// # Safety
+/// The token's features (and F16C) present; `body` a multiple of 8; every row of
+/// `codes` at least `2 * body` bytes, every `x2` at least `2 * body` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn half_tile_imp<const R: usize, const P: usize, const BF16: bool>(
+    codes: [&[u8]; R],
+    x2: [&[f32]; P],
+    body: usize,
+) -> [[[f32; 2]; P]; R] {
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    let mut j = 0;
+    while j < body {
+        let mut wv = [_mm512_setzero_ps(); R];
+        for (w, c) in wv.iter_mut().zip(&codes) {
+            // SAFETY: bytes 2j..2j + 16 are in range (caller); the eight values, twice
+            let h = _mm256_broadcastsi128_si256(unsafe {
+                _mm_loadu_si128(c.as_ptr().add(2 * j).cast())
+            });
+            *w = if BF16 {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            } else {
+                _mm512_cvtph_ps(h)
+            };
+        }
+        for (p, x) in x2.iter().enumerate() {
+            // SAFETY: values 2j..2j + 16 are in range (caller)
+            let xv = unsafe { _mm512_loadu_ps(x.as_ptr().add(2 * j)) };
+            for (a, w) in acc.iter_mut().zip(&wv) {
+                if let Some(a) = a.get_mut(p) {
+                    *a = _mm512_fmadd_ps(*w, xv, *a);
+                }
+            }
+        }
+        j += 8;
+    }
+    acc.map(|row| {
+        row.map(|v| {
+            [
+                hsum(_mm512_castps512_ps256(v)),
+                hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                    _mm512_castps_pd(v),
+                ))),
+            ]
+        })
+    })
+}
