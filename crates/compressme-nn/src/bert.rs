@@ -330,8 +330,8 @@ impl Bert {
             let q = split_heads(&l.query.forward(&x)?, heads)?;
             let k = split_heads(&l.key.forward(&x)?, heads)?;
             let v = split_heads(&l.value.forward(&x)?, heads)?;
-            let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&bias)?;
-            let ctx = join_heads(&softmax_last(&scores)?.matmul(&v)?)?;
+            let scores = (crate::ops::matmul(&q, &k.t()?)? * scale)?.broadcast_add(&bias)?;
+            let ctx = join_heads(&crate::ops::matmul(&softmax_last(&scores)?, &v)?)?;
             x = l.attn_ln.forward(&(l.attn_out.forward(&ctx)? + &x)?)?;
             let inter = l.intermediate.forward(&x)?;
             let inter = match self.cfg.hidden_act.as_str() {

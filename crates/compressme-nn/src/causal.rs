@@ -428,8 +428,9 @@ impl CausalLm {
             let q = split_heads(&b.q.forward(&h)?, heads)?;
             let k = split_heads(&b.k.forward(&h)?, heads)?;
             let v = split_heads(&b.v.forward(&h)?, heads)?;
-            let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
-            let ctx = join_heads(&softmax_last(&scores)?.matmul(&v)?)?;
+            let scores =
+                (crate::ops::matmul(&q, &k.t()?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
+            let ctx = join_heads(&crate::ops::matmul(&softmax_last(&scores)?, &v)?)?;
             x = (x + b.o.forward(&ctx)?)?;
             let h = b.ln2.forward(&x)?;
             x = (x + b.down.forward(&b.up.forward(&h)?.gelu_erf()?)?)?;

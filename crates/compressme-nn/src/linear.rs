@@ -288,11 +288,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.hooks.observe(&self.name, x)?;
         let y = match &self.weight {
-            Weight::Dense(w) => match x.dims() {
-                [b1, b2, _, _] => x.matmul(&w.broadcast_left((*b1, *b2))?.t()?)?,
-                [b, _, _] => x.matmul(&w.broadcast_left(*b)?.t()?)?,
-                _ => x.matmul(&w.t()?)?,
-            },
+            Weight::Dense(w) => shared_matmul(x, w)?,
             Weight::Packed(p) => packed_forward(&self.name, x, p)?,
             Weight::Ggml(q) => {
                 let x32 = x.to_dtype(DType::F32)?.contiguous()?;
@@ -303,11 +299,7 @@ impl Linear {
             Weight::Lossless(e) => {
                 let w = e.weight()?.to_dtype(DType::F32)?;
                 let x32 = x.to_dtype(DType::F32)?;
-                let y = match x32.dims() {
-                    [b1, b2, _, _] => x32.matmul(&w.broadcast_left((*b1, *b2))?.t()?)?,
-                    [b, _, _] => x32.matmul(&w.broadcast_left(*b)?.t()?)?,
-                    _ => x32.matmul(&w.t()?)?,
-                };
+                let y = shared_matmul(&x32, &w)?;
                 y.to_dtype(x.dtype())?
             }
         };
@@ -316,6 +308,21 @@ impl Linear {
             None => y,
         })
     }
+}
+
+/// `x W^T` for `x: [..., in]` and a dense `W: [out, in]`, every row of `x` against the same
+/// weight as one `[rows, in]` product ([`crate::ops::matmul`]: the same bits on every
+/// CPU), shaped back to `[..., out]`.
+fn shared_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let k = dims.last().copied().unwrap_or(0);
+    let rows = x.elem_count() / k.max(1);
+    let mut out = dims.to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = w.dim(0)?;
+    }
+    let y = crate::ops::matmul(&x.reshape((rows, k))?, &w.t()?)?;
+    Ok(y.reshape(out)?)
 }
 
 /// `x W^T` with packed `W`: the packed kernels for small batches, dequantized tiles and
@@ -358,7 +365,7 @@ fn tiled(x: &Tensor, p: &Packed) -> Result<Tensor> {
             buf.resize(rows * cols, 0.0);
             p.dequantize_range_into(0, &mut buf)?;
             let w = Tensor::from_slice(&buf, (rows, cols), &Device::Cpu)?;
-            Ok(x.matmul(&w.t()?)?)
+            crate::ops::matmul(x, &w.t()?)
         });
     }
     let mut out = vec![0f32; n * rows];
@@ -370,7 +377,9 @@ fn tiled(x: &Tensor, p: &Packed) -> Result<Tensor> {
             buf.resize((r1 - r0) * cols, 0.0);
             p.dequantize_range_into(r0, &mut buf)?;
             let w = Tensor::from_slice(&buf, (r1 - r0, cols), &Device::Cpu)?;
-            let part = x.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+            let part = crate::ops::matmul(x, &w.t()?)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             let width = r1 - r0;
             for (dst, src) in out.chunks_exact_mut(rows).zip(part.chunks_exact(width)) {
                 if let Some(d) = dst.get_mut(r0..r1) {

@@ -86,3 +86,63 @@ pub fn join_heads(x: &Tensor) -> Result<Tensor> {
     let (b, h, t, dh) = x.dims4()?;
     Ok(x.transpose(1, 2)?.contiguous()?.reshape((b, t, h * dh))?)
 }
+
+/// Depth above which candle's f32 matmul (the `gemm` crate) may split its sums in a way
+/// that depends on the CPU.
+const GEMM_DEPTH: usize = 512;
+
+/// `a · b` for `a: [..., m, k]` and `b: [..., k, n]` of the same rank (candle's `matmul`),
+/// with every output the same bits on every x86-64 CPU. For a weight shared by every row
+/// of `a`, pass `a` as `[rows, k]` (as [`crate::Linear`] does): candle would stack the
+/// rows of a broadcast batch into one product, and so does this.
+///
+/// candle's CPU matmul calls the `gemm` crate, which blocks each sum over `k` into
+/// pieces sized from the L1 cache it reads from sysfs: on a 32 KiB 8-way L1 a depth of
+/// 576 is summed as two halves of 288 added together, on a 48 KiB 12-way L1 in one
+/// piece, so the same model gives different logits on different machines and a
+/// benchmark recorded on one does not replay on another. `gemm` never splits a depth of
+/// 512 or less (its blocks are at least 512 deep), and sums each block in order. So when
+/// `gemm` would block (depth over 512, its general path: both `m` and `n` at least 2 and
+/// one over 64), this splits `k` itself as `gemm` does with a 512-deep block,
+/// `ceil(k / ceil(k / 512))` a piece, multiplies the pieces and adds them in order; every
+/// other call goes to candle as it is (its paths there do not depend on the cache). The
+/// result is what `gemm` computes on a CPU whose blocks are 512 deep (the 32 KiB 8-way
+/// L1 of the machine the stored benchmark results were recorded on), on every CPU.
+///
+/// # Errors
+/// candle's (shapes that do not multiply).
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (ad, bd) = (a.dims(), b.dims());
+    let (Some(&k), Some(&n)) = (ad.last(), bd.last()) else {
+        return Ok(a.matmul(b)?);
+    };
+    let rows = ad
+        .len()
+        .checked_sub(2)
+        .and_then(|i| ad.get(i))
+        .copied()
+        .unwrap_or(1);
+    let blocked = k > GEMM_DEPTH && rows >= 2 && n >= 2 && (rows > 64 || n > 64);
+    if blocked && ad.len() != bd.len() {
+        return Ok(a.matmul(b)?);
+    }
+    if !blocked {
+        return Ok(a.matmul(b)?);
+    }
+    let piece = k.div_ceil(k.div_ceil(GEMM_DEPTH));
+    let (ka, kb) = (ad.len() - 1, bd.len() - 2);
+    let mut start = 0;
+    let mut sum: Option<Tensor> = None;
+    while start < k {
+        let len = piece.min(k - start);
+        let part = a
+            .narrow(ka, start, len)?
+            .matmul(&b.narrow(kb, start, len)?)?;
+        sum = Some(match sum {
+            None => part,
+            Some(s) => (s + part)?,
+        });
+        start += len;
+    }
+    sum.ok_or_else(|| crate::Error::Shape("empty matmul".into()))
+}

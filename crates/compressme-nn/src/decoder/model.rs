@@ -646,7 +646,7 @@ impl Decoder {
         // are `rep * t` rows of one product with it
         let scale = 1.0 / (hd as f64).sqrt();
         let q = q.contiguous()?.reshape((bsz, kvh, rep * t, hd))?;
-        let mut scores = (q.matmul(&k.t()?)? * scale)?.reshape((bsz, heads, t, s))?;
+        let mut scores = (crate::ops::matmul(&q, &k.t()?)? * scale)?.reshape((bsz, heads, t, s))?;
         if t > 1 {
             let mask: Vec<f32> = (0..t * s)
                 .map(|i| {
@@ -659,9 +659,8 @@ impl Decoder {
                 .collect();
             scores = scores.broadcast_add(&Tensor::from_vec(mask, (t, s), &self.device)?)?;
         }
-        let ctx = softmax_last(&scores)?
-            .reshape((bsz, kvh, rep * t, s))?
-            .matmul(&v.contiguous()?)?
+        let probs = softmax_last(&scores)?.reshape((bsz, kvh, rep * t, s))?;
+        let ctx = crate::ops::matmul(&probs, &v.contiguous()?)?
             .reshape((bsz, heads, t, hd))?
             .transpose(1, 2)?
             .contiguous()?

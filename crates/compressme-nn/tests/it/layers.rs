@@ -131,3 +131,58 @@ fn embedding_storages_return_the_table_dtype_and_keep_zero_rows() {
     let past_end = e.forward(&Tensor::new(&[50u32], &dev).unwrap());
     assert!(past_end.is_err());
 }
+
+/// `ops::matmul` gives, on whatever CPU runs the test, the bits of a definition that
+/// names no CPU: each output the in-order `fma` sum of each piece of the depth (pieces of
+/// `ceil(k / ceil(k / 512))` where `gemm`'s general path would block the sum, of 512
+/// where its small path blocks it), the pieces added in order. candle's own matmul
+/// blocks by the L1 cache's size, so on some CPUs it differs from this. (`b` row-major
+/// `[k, n]` here: for it `gemm` sums each block in order; for other layouts its
+/// microkernels order a block's sum their own way, which is fixed when the crate is
+/// compiled and so is the same on every CPU too.)
+#[test]
+fn matmul_gives_the_same_bits_on_every_cpu() {
+    use candle_core::{Device, Tensor};
+    let mut s = 7u64;
+    let mut next = || {
+        s = s
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    };
+    // (m, k, n, piece): the general path at 576 and 1536 deep, the small path (both
+    // sides at most 64), and a depth gemm never splits
+    for (m, k, n, piece) in [
+        (130, 576, 96, 288),
+        (2, 1536, 70, 512),
+        (40, 1100, 40, 512),
+        (100, 300, 80, 300),
+    ] {
+        let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
+        let b: Vec<f32> = (0..n * k).map(|_| next()).collect();
+        let at = Tensor::from_slice(&a, (m, k), &Device::Cpu).unwrap();
+        let bt = Tensor::from_slice(&b, (n, k), &Device::Cpu).unwrap();
+        let bt = bt.t().unwrap().contiguous().unwrap();
+        let got: Vec<f32> = compressme_nn::ops::matmul(&at, &bt)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut same = 0;
+        for i in 0..m {
+            for j in 0..n {
+                let mut total: Option<f32> = None;
+                for lo in (0..k).step_by(piece) {
+                    let mut acc = 0f32;
+                    for t in lo..(lo + piece).min(k) {
+                        acc = a[i * k + t].mul_add(b[j * k + t], acc);
+                    }
+                    total = Some(total.map_or(acc, |v| v + acc));
+                }
+                same += usize::from(total.unwrap().to_bits() == got[i * n + j].to_bits());
+            }
+        }
+        assert_eq!(same, m * n, "({m}, {k}, {n}) in pieces of {piece}");
+    }
+}
