@@ -209,6 +209,12 @@ impl Progress for NoProgress {
     fn done(&self, _: &str) {}
 }
 
+/// The name of the tier our kernels run on in this process (`COMPRESSME_KERNEL` or the
+/// fastest the CPU has), or why it was refused.
+fn our_kernel_tier() -> String {
+    compressme_quant::kernel_tier().map_or_else(|e| format!("refused ({e})"), |t| t.name().into())
+}
+
 /// Re-runs `recorded`'s configuration (artifacts under `work_dir`) and compares: every
 /// deterministic field exactly (the recorded tolerance among them), likelihoods within
 /// this version's [`Tolerance::default`]. Returns the fresh report and

@@ -862,6 +862,7 @@ pub fn run_real(
         tolerance: Tolerance::default(),
         threads: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         candle_kernels: compressme_nn::candle_kernel_tier().into(),
+        our_kernels: crate::our_kernel_tier(),
         artifact_version: compressme_artifact::recipe::VERSION,
         seconds: t0.elapsed().as_secs_f64(),
     })

@@ -43,6 +43,11 @@ pub struct Report {
     /// only on the same tier. `unrecorded` in reports written before it was recorded.
     #[serde(default = "unrecorded")]
     pub candle_kernels: String,
+    /// The tier of our kernels on the machine that ran it (`compressme_quant::Tier`'s
+    /// name): every tier gives the same bits, so it is context for the speed figures and
+    /// is not compared. `unrecorded` in reports written before it was recorded.
+    #[serde(default = "unrecorded")]
+    pub our_kernels: String,
     /// The artifact version the run wrote its `.cma` variants in
     /// (`compressme_artifact::recipe::VERSION`): their files' bytes and digests reproduce
     /// only under the same version. 1 in reports written before it was recorded.
@@ -311,7 +316,7 @@ fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
     let ref_ppl = reference.map_or(f64::NAN, |v| v.perplexity);
     let _ = writeln!(
         s,
-        "Real-model benchmark ({}): {} (SHA-256 {}), **the reference is its weights dequantized to f32**: they were shipped on a 4-bit grid (Q4_1), so every other variant re-quantizes already-quantized weights. Calibrated on {} windows of {} tokens of `{}` (SHA-256 {}); evaluated on the first {} tokens of `{}` ({} targets, windows of {} at stride {}; token SHA-256 {}). candle's kernels: {}.",
+        "Real-model benchmark ({}): {} (SHA-256 {}), **the reference is its weights dequantized to f32**: they were shipped on a 4-bit grid (Q4_1), so every other variant re-quantizes already-quantized weights. Calibrated on {} windows of {} tokens of `{}` (SHA-256 {}); evaluated on the first {} tokens of `{}` ({} targets, windows of {} at stride {}; token SHA-256 {}). candle's kernels: {}; ours: {}.",
         r.tool,
         c.model,
         c.model_sha256.get(..12).unwrap_or(""),
@@ -326,6 +331,7 @@ fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
         r.corpus.window.stride,
         r.corpus.eval_sha256.get(..12).unwrap_or(""),
         r.candle_kernels,
+        r.our_kernels,
     );
     s.push('\n');
     let threads: Vec<String> = c
