@@ -310,19 +310,15 @@ impl Linear {
     }
 }
 
-/// `x W^T` for `x: [..., in]` and a dense `W: [out, in]`, every row of `x` against the same
-/// weight as one `[rows, in]` product ([`crate::ops::matmul`]: the same bits on every
-/// CPU), shaped back to `[..., out]`.
+/// `x W^T` for `x: [..., in]` and a dense `W: [out, in]`, broadcast over `x`'s leading
+/// dimensions as candle multiplies it (its backward sums the weight's gradient over them),
+/// through [`crate::ops::matmul`]: the same bits on every CPU.
 fn shared_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims();
-    let k = dims.last().copied().unwrap_or(0);
-    let rows = x.elem_count() / k.max(1);
-    let mut out = dims.to_vec();
-    if let Some(last) = out.last_mut() {
-        *last = w.dim(0)?;
+    match x.dims() {
+        [b1, b2, _, _] => crate::ops::matmul(x, &w.broadcast_left((*b1, *b2))?.t()?),
+        [b, _, _] => crate::ops::matmul(x, &w.broadcast_left(*b)?.t()?),
+        _ => crate::ops::matmul(x, &w.t()?),
     }
-    let y = crate::ops::matmul(&x.reshape((rows, k))?, &w.t()?)?;
-    Ok(y.reshape(out)?)
 }
 
 /// `x W^T` with packed `W`: the packed kernels for small batches, dequantized tiles and

@@ -91,23 +91,23 @@ pub fn join_heads(x: &Tensor) -> Result<Tensor> {
 /// that depends on the CPU.
 const GEMM_DEPTH: usize = 512;
 
-/// `a · b` for `a: [..., m, k]` and `b: [..., k, n]` of the same rank (candle's `matmul`),
-/// with every output the same bits on every x86-64 CPU. For a weight shared by every row
-/// of `a`, pass `a` as `[rows, k]` (as [`crate::Linear`] does): candle would stack the
-/// rows of a broadcast batch into one product, and so does this.
+/// `a · b` for `a: [..., m, k]` and `b: [..., k, n]` of the same rank (candle's `matmul`,
+/// the same batch rules: a `b` broadcast over the batch makes one product of all of
+/// `a`'s rows), with every output the same bits on every x86-64 CPU.
 ///
 /// candle's CPU matmul calls the `gemm` crate, which blocks each sum over `k` into
 /// pieces sized from the L1 cache it reads from sysfs: on a 32 KiB 8-way L1 a depth of
 /// 576 is summed as two halves of 288 added together, on a 48 KiB 12-way L1 in one
 /// piece, so the same model gives different logits on different machines and a
 /// benchmark recorded on one does not replay on another. `gemm` never splits a depth of
-/// 512 or less (its blocks are at least 512 deep), and sums each block in order. So when
-/// `gemm` would block (depth over 512, its general path: both `m` and `n` at least 2 and
-/// one over 64), this splits `k` itself as `gemm` does with a 512-deep block,
-/// `ceil(k / ceil(k / 512))` a piece, multiplies the pieces and adds them in order; every
-/// other call goes to candle as it is (its paths there do not depend on the cache). The
-/// result is what `gemm` computes on a CPU whose blocks are 512 deep (the 32 KiB 8-way
-/// L1 of the machine the stored benchmark results were recorded on), on every CPU.
+/// 512 or less (its blocks are at least 512 deep), and a block's sum does not depend on
+/// the CPU. So when `gemm` would block (depth over 512, its general path: at least 2 rows
+/// and 2 columns, more than 64 of one), this splits `k` itself as `gemm` does with a
+/// 512-deep block, `ceil(k / ceil(k / 512))` a piece, multiplies the pieces and adds them
+/// in order; every other call goes to candle as it is (its paths there do not depend on
+/// the cache). The result is what `gemm` computes on a CPU whose blocks are 512 deep (the
+/// 32 KiB 8-way L1 of the machine the stored benchmark results were recorded on), on
+/// every CPU.
 ///
 /// # Errors
 /// candle's (shapes that do not multiply).
@@ -116,17 +116,22 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (Some(&k), Some(&n)) = (ad.last(), bd.last()) else {
         return Ok(a.matmul(b)?);
     };
-    let rows = ad
+    let m = ad
         .len()
         .checked_sub(2)
         .and_then(|i| ad.get(i))
         .copied()
         .unwrap_or(1);
+    // candle stacks the batches of `a` into one product's rows when `b` is the same for
+    // every batch (and `a` is contiguous); the pieces below keep `a` contiguous for it
+    let shared = b.stride().iter().rev().skip(2).all(|&s| s == 0);
+    let rows = if shared {
+        m * ad.iter().rev().skip(2).product::<usize>()
+    } else {
+        m
+    };
     let blocked = k > GEMM_DEPTH && rows >= 2 && n >= 2 && (rows > 64 || n > 64);
-    if blocked && ad.len() != bd.len() {
-        return Ok(a.matmul(b)?);
-    }
-    if !blocked {
+    if !blocked || ad.len() != bd.len() {
         return Ok(a.matmul(b)?);
     }
     let piece = k.div_ceil(k.div_ceil(GEMM_DEPTH));

@@ -8,9 +8,10 @@
 //! llama.cpp's Q8_0 layout at groups of 32), and `Int8Rows` for embedding tables.
 //! [`quantize`] refuses non-finite weights and empty shapes; [`Packed::dequantize_into`],
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
-//! computes `x W^T` reading the packed bytes (AVX2 when the CPU has it, integer sums for
-//! the integer formats with activations rounded to 14 bits), never holding `W` in f32, on
-//! all cores; [`reference::matmul`] is the exact definition it is held to, within
+//! computes `x W^T` reading the packed bytes (integer sums for the integer formats with
+//! activations rounded to 14 bits), never holding `W` in f32, on all cores, on the fastest
+//! [`Tier`] the CPU has (AVX-512 VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL` forces
+//! one, see [`kernel_tier`]), every tier giving the same bits; [`reference::matmul`] is the exact definition it is held to, within
 //! [`error_bound`].
 //!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
