@@ -63,8 +63,17 @@ impl Token {
     }
 }
 
+/// The shortest group [`dot_groups`] takes; shorter ones run the AVX2 code.
+const LONG_GROUP: usize = 256;
+
 /// Weights per 64 bytes of 4-bit codes: the unit of the 4-bit kernel.
 const CHUNK: usize = 128;
+
+/// Whether the 4-bit kernel takes rows in groups of `group` (so [`SplitX`] is worth
+/// making for them).
+pub(super) fn splits(group: usize) -> bool {
+    group > 0 && group.is_multiple_of(CHUNK)
+}
 
 /// One row of 14-bit activations in nibble order, split for the 4-bit kernel:
 /// `x = 256 · xh + xl`, laid out so that each `i32` lane of `vpdpbusd` sums one class.
@@ -159,7 +168,10 @@ pub(super) fn dot_groups<const N: usize>(
     scales: &[f32],
 ) -> [f32; N] {
     let kp = w.len();
-    let fits = group > 0
+    // measured (4096 x 4096, batch 32): faster than the AVX2 code for long groups (the
+    // per-row formats' 1,024 columns), slower for groups of 128 or less, where flushing a
+    // group's sums costs as much as the products; the bits are the same either way
+    let fits = group >= LONG_GROUP
         && group.is_multiple_of(32)
         && kp.is_multiple_of(16)
         && xs.iter().all(|x| x.len() >= kp);
@@ -196,7 +208,7 @@ pub(super) fn dot_rows(
         (Some(lut), Some(sx))
             if rows_fit
                 && sx.group == group
-                && (group == 64 || group.is_multiple_of(CHUNK))
+                && splits(group)
                 && sx.xl.len() >= (2 * rb).div_ceil(CHUNK) * CHUNK
                 && sx.corr.len() >= (2 * rb).div_ceil(group) * 8 =>
         {
@@ -261,10 +273,8 @@ unsafe fn int8_imp<const M: usize, const N: usize>(
             break;
         }
         let end = (start + group).min(kp);
-        // two accumulators a pair of rows, alternate steps: two `vpdpwssd` chains in flight
-        let mut acc = [[[_mm512_setzero_si512(); 2]; N]; M];
+        let mut acc = [[_mm512_setzero_si512(); N]; M];
         let mut c = start;
-        let mut odd = 0;
         while c < end {
             // 32 weights, or the row's last 16 (the rest of the lanes masked off: zero)
             let mask: u32 = if end - c >= 32 { u32::MAX } else { 0xffff };
@@ -284,18 +294,15 @@ unsafe fn int8_imp<const M: usize, const N: usize>(
                     _mm256_maskz_loadu_epi8(mask, r.as_ptr().add(c).cast())
                 });
                 for (ai, &xi) in a.iter_mut().zip(&xv) {
-                    if let Some(ai) = ai.get_mut(odd) {
-                        *ai = _mm512_dpwssd_epi32(*ai, wv, xi);
-                    }
+                    *ai = _mm512_dpwssd_epi32(*ai, wv, xi);
                 }
             }
-            odd ^= 1;
             c += 32;
         }
         for ((fm, am), s) in f.iter_mut().zip(acc).zip(&scales) {
             let scale = s.get(g);
-            for (fi, [a0, a1]) in fm.iter_mut().zip(am) {
-                flush(fi, fold_words(_mm512_add_epi32(a0, a1)), scale);
+            for (fi, ai) in fm.iter_mut().zip(am) {
+                flush(fi, fold_words(ai), scale);
             }
         }
         start = end;
@@ -303,13 +310,13 @@ unsafe fn int8_imp<const M: usize, const N: usize>(
     f.map(|row| row.map(|v| hsum(v)))
 }
 
-/// The class sums of one chunk's 4-bit accumulators, as two groups of two runs
-/// (`[A01, B01]` and `[A23, B23]`, for groups of 64) where `l`, `h` hold the sums of
+/// The class sums of one chunk's 4-bit accumulators, as two halves (`[A01, B01]` and
+/// `[A23, B23]`: runs 0 and 1, runs 2 and 3) where `l`, `h` hold the sums of
 /// `u · xl` and `u · xh` for the first four classes (`[0]`) and the last four
 /// (`[1]`), each 128-bit lane one run.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-fn fold_pairs(l: [__m512i; 2], h: [__m512i; 2]) -> (__m256i, __m256i) {
+fn fold_halves(l: [__m512i; 2], h: [__m512i; 2]) -> (__m256i, __m256i) {
     let a = _mm512_add_epi32(l[0], _mm512_slli_epi32::<8>(h[0]));
     let b = _mm512_add_epi32(l[1], _mm512_slli_epi32::<8>(h[1]));
     // [A0, B0, A2, B2] + [A1, B1, A3, B3], by 64-bit lanes (8-15 from `b`)
@@ -331,10 +338,13 @@ unsafe fn corr_of(sx: &SplitX, g: usize) -> __m256i {
 }
 
 /// `M` rows of 4-bit codes (indices into `lut`) against one split row of `x`, 128 weights
-/// (64 code bytes, four runs) a step with `vpdpbusd`.
+/// (64 code bytes, four runs) a step with `vpdpbusd`, for groups of whole steps: the
+/// per-row formats' 1,024 columns and groups of 128. (For groups of 64 it measured no
+/// faster than the AVX2 code, 4096 x 4096 at batch 1: folding and scaling two groups a
+/// step costs as much as their products; those run the AVX2 code.)
 ///
 /// # Safety
-/// The token's features present; `group` 64 or a multiple of 128 and `sx` split for it;
+/// The token's features present; `group` a multiple of 128 and `sx` split for it;
 /// `sx` covers the shortest row's chunks (`CHUNK` bytes of `xl` and of `xh` for each 64
 /// code bytes, rounded up) and groups (8 corrections each).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
@@ -396,27 +406,10 @@ unsafe fn nibble_rows_imp<const M: usize>(
             hm[1] = _mm512_dpbusd_epi32(hm[1], b, xhb);
         }
         let done = first_run + n;
-        if runs_a_group == 2 {
-            // two groups a chunk (one when the row ends after two runs)
-            let g = 2 * chunk;
-            for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
-                let (first, second) = fold_pairs(*lm, *hm);
-                if g < groups {
-                    // SAFETY: a group the row reaches, which `sx` covers (caller)
-                    let cg = unsafe { corr_of(sx, g) };
-                    flush(fm, _mm256_sub_epi32(first, cg), s.get(g));
-                }
-                if n > 2 && g + 1 < groups {
-                    // SAFETY: a group the row reaches, which `sx` covers (caller)
-                    let cg = unsafe { corr_of(sx, g + 1) };
-                    flush(fm, _mm256_sub_epi32(second, cg), s.get(g + 1));
-                }
-                (*lm, *hm) = ([zero; 2], [zero; 2]);
-            }
-        } else if done.is_multiple_of(runs_a_group) || done == runs {
+        if done.is_multiple_of(runs_a_group) || done == runs {
             let g = first_run / runs_a_group;
             for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
-                let (first, second) = fold_pairs(*lm, *hm);
+                let (first, second) = fold_halves(*lm, *hm);
                 if g < groups {
                     let classes = _mm256_add_epi32(first, second);
                     // SAFETY: a group the row reaches, which `sx` covers (caller)

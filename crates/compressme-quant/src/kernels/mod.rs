@@ -185,7 +185,7 @@ impl Isa {
     fn row_input<'x>(self, x: &'x [i16], v: &RowsView<'_>) -> RowX<'x> {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512(_) if v.lut.is_some() => RowX {
+            Self::Avx512(_) if v.lut.is_some() && avx512::splits(v.group) => RowX {
                 x,
                 split: Some(avx512::SplitX::new(x, v.group)),
             },
