@@ -6,8 +6,8 @@
 //! ```sh
 //! cargo build --release -p compressme
 //! cargo run --release -p compressme-offline --example generation_speed -- \
-//!     --rounds 5 target/real-ci/f32.cma target/real-ci/nf4-g64.cma target/real-ci/int8.cma \
-//!     target/real-ci/candle-q8_0.gguf target/real-ci/candle-q4_k.gguf
+//!     --rounds 5 target/offline/f32.cma target/offline/nf4-g64.cma target/offline/int8.cma \
+//!     target/offline/candle-q8_0.gguf target/offline/candle-q4_k.gguf
 //! ```
 //!
 //! A `.gguf` file named `candle-FORMAT.gguf` (as the benchmark writes them) runs on
