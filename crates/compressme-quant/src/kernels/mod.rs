@@ -57,9 +57,11 @@ pub enum Tier {
     /// (`vpmaddwd`).
     Avx2,
     /// AVX-512 F/BW/VL and AVX-512 VNNI on top of the AVX2 tier: 8-bit codes widened to
-    /// 16 bits 32 at a time (`vpdpwssd`); 4-bit codes as bytes against the activations
-    /// split into high and low bytes (`vpdpbusd`, 64 products an instruction). F16/BF16
-    /// and the fused small-batch 4-bit path run the AVX2 tier's code.
+    /// 16 bits 32 at a time (`vpdpwssd`); 4-bit codes at batch 1, in groups of 128 or per
+    /// row, as bytes against the activations split into high and low bytes (`vpdpbusd`,
+    /// 64 products an instruction); F16/BF16 at batch 2 and up in tiles of 4 weight rows
+    /// by 8 rows of `x`. Where those measured no faster (4-bit groups of 64 or less,
+    /// short groups at batch 2 and up, F16/BF16 at batch 1) it runs the AVX2 tier's code.
     Avx512Vnni,
 }
 
@@ -603,8 +605,8 @@ impl<'a> RowsView<'a> {
 /// codebook (at most `0.47 / 127` of the scale a weight); [`error_bound`] gives the bound
 /// for one output, and the tests hold the kernels to it.
 ///
-/// AVX2 + FMA + F16C is used when the CPU has it (checked at run time); otherwise a
-/// portable version does the same arithmetic.
+/// Runs on the [`Tier`] [`kernel_tier`] picks (checked at run time: AVX-512 VNNI, AVX2 +
+/// FMA + F16C, or portable Rust); every tier gives the same bits.
 ///
 /// # Errors
 /// [`Error::Shape`] when `x` is not `batch * cols` long.
