@@ -79,6 +79,7 @@ pub fn minilm_dir() -> std::path::PathBuf {
 /// message) when the checkpoint is absent.
 #[must_use]
 pub fn minilm_variants() -> Option<Vec<(&'static str, compressme_nn::Bert)>> {
+    use compressme_nn::LlamaFormat;
     use compressme_nn::{Bert, Model, ModuleKind, PackOptions, Storage};
     use compressme_quant::{Format, GroupSize};
     let dir = minilm_dir();
@@ -115,13 +116,70 @@ pub fn minilm_variants() -> Option<Vec<(&'static str, compressme_nn::Bert)>> {
             )])?,
         ),
         ("int8-linears", with(all(Format::Int8))?),
+        (
+            "candle-q8_0-linears",
+            with_candle(&dense, &linears, LlamaFormat::Q8_0)?,
+        ),
         ("nf4-linears", with(all(Format::Nf4))?),
         (
             "nf4-g64-linears",
             with(all(Format::Nf4Block(GroupSize::G64)))?,
         ),
+        (
+            "candle-q4k-linears",
+            with_candle(&dense, &linears, LlamaFormat::Q4K)?,
+        ),
         ("dense", dense),
     ])
+}
+
+/// `dense` with every linear in `linears` given candle's quantized tensor of its weight in
+/// `format` (or, on rows that are not a multiple of 256, the type llama.cpp's quantizer
+/// falls back to: MiniLM's 384-wide rows take Q5_0 for Q4_K), run by candle's kernels.
+fn with_candle(
+    dense: &compressme_nn::Bert,
+    linears: &[String],
+    format: compressme_nn::LlamaFormat,
+) -> Option<compressme_nn::Bert> {
+    use compressme_nn::{Model, ModuleMut, ModuleRef, Weight, llama_qtensor};
+    let mut m = dense.clone();
+    for name in linears {
+        let Some(ModuleRef::Linear(l)) = dense.module(name) else {
+            return None;
+        };
+        let Weight::Dense(w) = l.weight() else {
+            return None;
+        };
+        let (rows, cols) = w.dims2().ok()?;
+        let values = w.flatten_all().ok()?.to_vec1::<f32>().ok()?;
+        let q = llama_qtensor(&values, rows, cols, format.for_width(cols)).ok()?;
+        let Some(ModuleMut::Linear(l)) = m.module_mut(name) else {
+            return None;
+        };
+        l.set_weight(Weight::Ggml(std::sync::Arc::new(q))).ok()?;
+    }
+    Some(m)
+}
+
+/// The CPU's SIMD features that the kernel tiers use, as `lscpu` names them.
+#[must_use]
+pub fn cpu_features() -> String {
+    let mut have = Vec::new();
+    macro_rules! probe {
+        ($($f:tt => $name:expr),*) => {
+            $(if is_x86_feature_detected!($f) { have.push($name); })*
+        };
+    }
+    probe!(
+        "avx2" => "avx2", "fma" => "fma", "f16c" => "f16c", "avx512f" => "avx512f",
+        "avx512bw" => "avx512bw", "avx512vl" => "avx512vl", "avx512vnni" => "avx512_vnni",
+        "avx512bf16" => "avx512_bf16", "avxvnni" => "avx_vnni"
+    );
+    if have.is_empty() {
+        "none of avx2 and up".into()
+    } else {
+        have.join(" ")
+    }
 }
 
 pub use compressme_eval::{cosine, median};

@@ -2,7 +2,9 @@
 //! `cargo run --release -p compressme-benches --bin model-report -- [--threads N] [--rounds R]`.
 //!
 //! Prints a markdown table, one row per variant (lossless word embeddings; every linear as
-//! INT8, NF4 per row, NF4 group 64): stored bytes of the whole model, the cosine similarity
+//! INT8, NF4 per row, NF4 group 64, or, run by candle's own kernels on the same weights,
+//! llama.cpp's Q8_0 and Q4_K, the latter Q5_0 on 384-wide rows as llama.cpp's quantizer
+//! would store them): stored bytes of the whole model, the cosine similarity
 //! of its sentence embeddings to the dense model's over the golden sentences
 //! (fixtures/bert/minilm_golden.json), and forward time for 32 x 128 tokens and for one
 //! 12-token sentence as a ratio to dense. Timing is interleaved: every round times dense
@@ -12,7 +14,7 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use compressme_benches::{cosine, minilm_dir, minilm_variants, random_ids};
+use compressme_benches::{cosine, cpu_features, minilm_dir, minilm_variants, random_ids};
 use compressme_nn::bert::mean_pool_normalize;
 use compressme_nn::{Bert, Model, SentenceEmbedder};
 
@@ -101,6 +103,12 @@ fn main() -> Fallible<()> {
     }
     println!(
         "{threads} thread(s), {rounds} interleaved rounds; ratios are medians of per-round variant / dense time.\n"
+    );
+    println!(
+        "CPU features: {}; our kernel tier: {}; candle's quantized kernels: {}.\n",
+        cpu_features(),
+        compressme_quant::kernel_tier().map_or_else(|e| e.to_string(), |t| t.name().to_string()),
+        compressme_nn::candle_kernel_tier()
     );
     println!(
         "| variant | stored bytes | / dense | cosine to dense, mean | min | 32 x 128 s | / dense | 1 x 12 ms | / dense |"

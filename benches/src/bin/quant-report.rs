@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use compressme_benches::cpu_features;
 use compressme_nn::{LlamaFormat, candle_kernel_tier, llama_quantize};
 use compressme_quant::synthetic::{MatrixKind, matrix, rel_rmse};
 use compressme_quant::{Backend, Format, GroupSize, Packed, Tier, matmul_with, quantize};
@@ -92,26 +93,6 @@ fn args() -> Fallible<Args> {
         a.tiers = vec![Tier::Portable];
     }
     Ok(a)
-}
-
-/// The CPU's SIMD features that the tiers use, as `lscpu` names them.
-fn cpu_features() -> String {
-    let mut have = Vec::new();
-    macro_rules! probe {
-        ($($f:tt => $name:expr),*) => {
-            $(if is_x86_feature_detected!($f) { have.push($name); })*
-        };
-    }
-    probe!(
-        "avx2" => "avx2", "fma" => "fma", "f16c" => "f16c", "avx512f" => "avx512f",
-        "avx512bw" => "avx512bw", "avx512vl" => "avx512vl", "avx512vnni" => "avx512_vnni",
-        "avx512bf16" => "avx512_bf16", "avxvnni" => "avx_vnni"
-    );
-    if have.is_empty() {
-        "none of avx2 and up".into()
-    } else {
-        have.join(" ")
-    }
 }
 
 /// Seconds to stream `buf` once (a wrapping sum in eight lanes), best of `reps`.

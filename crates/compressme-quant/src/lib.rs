@@ -10,7 +10,7 @@
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
 //! computes `x W^T` reading the packed bytes (integer sums for the integer formats with
 //! activations rounded to 14 bits), never holding `W` in f32, on all cores, on the fastest
-//! [`Tier`] the CPU has (AVX-512 VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL` forces
+//! [`Tier`] the CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL` forces
 //! one, see [`kernel_tier`]), every tier giving the same bits; [`reference::matmul`] is the exact definition it is held to, within
 //! [`error_bound`].
 //!

@@ -17,6 +17,56 @@ use std::arch::x86_64::{
 use super::{RowScales, RowsView, STEP, portable};
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 
+/// `$imp::<.., G>(..)` with `G` the steps of 16 a group for the common group sizes (a
+/// fixed trip count, so the inner loop unrolls) and 0 (counted at run time) otherwise.
+macro_rules! by_group {
+    ($group:expr, $imp:ident :: < $($g:tt),* > ( $($a:expr),* )) => {
+        match $group {
+            32 => $imp::<$($g,)* 2>($($a),*),
+            64 => $imp::<$($g,)* 4>($($a),*),
+            128 => $imp::<$($g,)* 8>($($a),*),
+            _ => $imp::<$($g,)* 0>($($a),*),
+        }
+    };
+}
+
+/// The body of a `dot_groups` kernel over `$step`, an unsafe function that adds the
+/// products of 16 weights from column `c` to each `x` row's eight `i32` lanes: the AVX2
+/// tier's step (`vpmaddwd` and an add) and the AVX-VNNI tier's (`vpdpwssd`) expand the
+/// same loop, so both flush the same sums in the same order. Unsafe as `$step` is; in a
+/// function generic over `N` (the `x` rows); `$g` steps a group when it is not 0.
+macro_rules! dot_groups_loop {
+    ($step:ident, $w:expr, $xs:expr, $group:expr, $scales:expr, $g:expr) => {{
+        let (w, xs, group, scales): (&[i8], [&[i16]; N], usize, &[f32]) =
+            ($w, $xs, $group, $scales);
+        let kp = w.len();
+        let mut f = [_mm256_setzero_ps(); N];
+        let mut start = 0;
+        for &s in scales {
+            if start >= kp {
+                break;
+            }
+            let end = (start + group).min(kp);
+            let mut acc = [_mm256_setzero_si256(); N];
+            // c + 16 <= end <= kp <= every length (all multiples of 16, caller)
+            if $g > 0 && end - start == $g * STEP {
+                for k in 0..$g {
+                    $step(w, &xs, start + k * STEP, &mut acc);
+                }
+            } else {
+                let mut c = start;
+                while c < end {
+                    $step(w, &xs, c, &mut acc);
+                    c += STEP;
+                }
+            }
+            flush(&mut f, acc, s);
+            start = end;
+        }
+        f.map(|v| hsum(v))
+    }};
+}
+
 /// Proof that the CPU has AVX2, FMA and F16C.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Token(());
@@ -40,7 +90,7 @@ pub(super) fn hsum(v: __m256) -> f32 {
 /// A group's `i32` sums, scaled, into the f32 accumulators.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn flush<const N: usize>(f: &mut [__m256; N], acc: [__m256i; N], scale: f32) {
+pub(super) fn flush<const N: usize>(f: &mut [__m256; N], acc: [__m256i; N], scale: f32) {
     let sv = _mm256_set1_ps(scale);
     for (fi, a) in f.iter_mut().zip(acc) {
         *fi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), sv, *fi);
@@ -65,14 +115,7 @@ pub(super) fn dot_groups<const N: usize>(
     let _ = t;
     // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
     // Common group sizes get a fixed trip count, so their inner loop unrolls.
-    unsafe {
-        match group {
-            32 => dot_groups_imp::<N, 2>(w, xs, group, scales),
-            64 => dot_groups_imp::<N, 4>(w, xs, group, scales),
-            128 => dot_groups_imp::<N, 8>(w, xs, group, scales),
-            _ => dot_groups_imp::<N, 0>(w, xs, group, scales),
-        }
-    }
+    unsafe { by_group!(group, dot_groups_imp::<N>(w, xs, group, scales)) }
 }
 
 /// One step of 16 weights for every `x` row.
@@ -103,32 +146,8 @@ unsafe fn dot_groups_imp<const N: usize, const G: usize>(
     group: usize,
     scales: &[f32],
 ) -> [f32; N] {
-    let kp = w.len();
-    let mut f = [_mm256_setzero_ps(); N];
-    let mut start = 0;
-    for &s in scales {
-        if start >= kp {
-            break;
-        }
-        let end = (start + group).min(kp);
-        let mut acc = [_mm256_setzero_si256(); N];
-        if G > 0 && end - start == G * STEP {
-            for k in 0..G {
-                // SAFETY: start + 16k + 16 <= end <= kp <= every length
-                unsafe { step(w, &xs, start + k * STEP, &mut acc) };
-            }
-        } else {
-            let mut c = start;
-            while c < end {
-                // SAFETY: c + 16 <= end <= kp <= every length (all multiples of 16)
-                unsafe { step(w, &xs, c, &mut acc) };
-                c += STEP;
-            }
-        }
-        flush(&mut f, acc, s);
-        start = end;
-    }
-    f.map(|v| hsum(v))
+    // SAFETY: the caller's guarantees, which are `step`'s
+    unsafe { dot_groups_loop!(step, w, xs, group, scales, G) }
 }
 
 pub(super) fn dot_nibbles<const N: usize>(

@@ -11,14 +11,15 @@
 //!   at a time; lane `m` of the 16 holds the pair at positions `2m, 2m + 1`, class
 //!   `m mod 8`, so adding the upper half of the register to the lower gives the eight
 //!   class sums.
-//! - **4-bit codes** (`vpdpbusd`, 64 byte products an instruction): codes decode through
-//!   the table plus 128 to unsigned bytes `u = w + 128`, and each activation is split as
-//!   `x = 256 · xh + xl` (`xl` in `-128..=127`, `xh` in `-32..=32`), so
+//! - **4-bit codes** (`vpdpbusd`, 64 byte products an instruction), at batch 1 in groups
+//!   of 64 and of whole chunks of 128 (the per-row formats' 1,024 columns included):
+//!   codes decode through the table plus 128 to unsigned bytes `u = w + 128`, and each
+//!   activation is split as `x = 256 · xh + xl`, so
 //!   `Σ w·x = Σ u·xl + 256 · Σ u·xh − 128 · Σ x`, both sums unsigned-by-signed byte
-//!   products and `128 · Σ x` per group and class worked out once a product
-//!   ([`SplitX`]). The decoded codes of a 16-byte run are interleaved so that the four
-//!   bytes each `i32` lane sums all belong to one class; [`SplitX`] lays out `x` the same
-//!   way.
+//!   products and `128 · Σ x` per group and class worked out once a product. The codes
+//!   of each pair of runs are regrouped in registers so that every 32-bit lane sums one
+//!   class, and `x` is laid out to match ([`SplitX`], shared with the AVX-VNNI tier):
+//!   each 256-bit half of a sum is a pair's eight class sums with no fold.
 //!
 //! Every `unsafe` here is one of three things: calling a `#[target_feature]` function,
 //! which a [`Token`] makes sound (it exists only after the CPU was seen to have the
@@ -30,18 +31,19 @@
 use std::arch::x86_64::{
     __m256, __m256i, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
     _mm256_broadcastsi128_si256, _mm256_castpd_ps, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
-    _mm256_loadu_si256, _mm256_maskz_loadu_epi8, _mm256_set1_ps, _mm256_setzero_ps,
-    _mm256_sub_epi32, _mm512_add_epi32, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd,
-    _mm512_castps512_ps256, _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16,
+    _mm256_maskz_loadu_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_sub_epi32, _mm512_add_epi32,
+    _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd, _mm512_castps512_ps256,
+    _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16, _mm512_cvtepi32_ps,
     _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_dpwssd_epi32,
     _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps, _mm512_loadu_ps,
     _mm512_loadu_si512, _mm512_maskz_loadu_epi8, _mm512_maskz_loadu_epi16,
-    _mm512_permutex2var_epi64, _mm512_set1_epi8, _mm512_setr_epi64, _mm512_setzero_ps,
-    _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_slli_epi32, _mm512_srli_epi16,
-    _mm512_unpackhi_epi16, _mm512_unpacklo_epi16,
+    _mm512_maskz_loadu_epi32, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_setr_epi64,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_slli_epi32,
+    _mm512_srli_epi16, _mm512_sub_epi32,
 };
 
 use super::avx2::{self, following, hsum};
+use super::split::{CHUNK, PAIR, PAIR_ORDER, SplitX};
 use super::{RowScales, RowsView};
 
 /// Proof that the CPU has AVX-512 F, BW, VL and VNNI, besides what the AVX2 tier needs.
@@ -66,97 +68,10 @@ impl Token {
 /// The shortest group [`dot_groups`] takes; shorter ones run the AVX2 code.
 const LONG_GROUP: usize = 256;
 
-/// Weights per 64 bytes of 4-bit codes: the unit of the 4-bit kernel.
-const CHUNK: usize = 128;
-
-/// Whether the 4-bit kernel takes rows in groups of `group` (so [`SplitX`] is worth
-/// making for them).
-pub(super) fn splits(group: usize) -> bool {
-    group > 0 && group.is_multiple_of(CHUNK)
-}
-
-/// One row of 14-bit activations in nibble order, split for the 4-bit kernel:
-/// `x = 256 · xh + xl`, laid out so that each `i32` lane of `vpdpbusd` sums one class.
-pub(super) struct SplitX {
-    /// Low parts (signed), [`CHUNK`] a chunk of 128 weights (zero past the row).
-    xl: Vec<i8>,
-    /// High parts, in the same layout.
-    xh: Vec<i8>,
-    /// Per group of `group` positions, per class: `128 · Σ x`, what the codes' bias of
-    /// 128 adds.
-    corr: Vec<i32>,
-    group: usize,
-}
-
-/// Where byte `t` of lane `k` (class `k`, or `k + 4` in the second half) of run `j` in a
-/// chunk's split layout comes from: the position in the chunk of `x` in nibble order.
-fn split_source(half: usize, j: usize, k: usize, t: usize) -> usize {
-    let class = k + 4 * half;
-    let within = [2 * class, 2 * class + 1, 16 + 2 * class, 17 + 2 * class];
-    32 * j + within[t % 4]
-}
-
-impl SplitX {
-    /// `x` (14-bit, nibble order) for rows multiplied in groups of `group` positions.
-    pub(super) fn new(x: &[i16], group: usize) -> Self {
-        let chunks = x.len().div_ceil(CHUNK);
-        let (mut xl, mut xh) = (vec![0i8; chunks * CHUNK], vec![0i8; chunks * CHUNK]);
-        for c in 0..chunks {
-            for half in 0..2 {
-                for j in 0..4 {
-                    for k in 0..4 {
-                        for t in 0..4 {
-                            let src = CHUNK * c + split_source(half, j, k, t);
-                            let dst = CHUNK * c + 64 * half + 16 * j + 4 * k + t;
-                            let v = i32::from(x.get(src).copied().unwrap_or(0));
-                            // x = 256 · h + l, l in -128..=127 (|x| <= 8191: |h| <= 32)
-                            let l = ((v + 128) & 0xff) - 128;
-                            if let (Some(lo), Some(hi)) = (xl.get_mut(dst), xh.get_mut(dst)) {
-                                *lo = l as i8;
-                                *hi = ((v - l) >> 8) as i8;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        let group = group.max(1);
-        let mut corr = vec![0i32; x.len().div_ceil(group) * 8];
-        for (p, &v) in x.iter().enumerate() {
-            if let Some(c) = corr.get_mut(p / group * 8 + (p % 16) / 2) {
-                *c += 128 * i32::from(v);
-            }
-        }
-        Self {
-            xl,
-            xh,
-            corr,
-            group,
-        }
-    }
-}
-
-/// Runs `$body` (an expression over arrays `$codes` and `$scales` of rows) on the rows
-/// from `$first`, four at a time, then one at a time for the rest: the body is expanded
-/// for both array lengths.
-macro_rules! in_quads {
-    ($v:expr, $first:expr, $out:expr, |$codes:ident, $scales:ident| $body:expr) => {{
-        let (v, first) = ($v, $first);
-        for (i, quad) in $out.chunks_mut(4).enumerate() {
-            let r = first + 4 * i;
-            if let Ok(quad) = <&mut [f32; 4]>::try_from(&mut *quad) {
-                let $codes = [0, 1, 2, 3].map(|k| v.codes_of(r + k));
-                let $scales = [0, 1, 2, 3].map(|k| v.scales_of(r + k));
-                *quad = $body;
-            } else {
-                for (k, o) in quad.iter_mut().enumerate() {
-                    let $codes = [v.codes_of(r + k)];
-                    let $scales = [v.scales_of(r + k)];
-                    [*o] = $body;
-                }
-            }
-        }
-    }};
+/// Whether the 4-bit kernel here takes groups of `group`: one pair of runs, or whole
+/// chunks (a group's sums never straddle a chunk's two pairs otherwise).
+fn nibble_group(group: usize) -> bool {
+    group == PAIR || (group > 0 && group.is_multiple_of(CHUNK))
 }
 
 /// `Σ_g scales[g] · Σ_{j in g} w_j x_j` for each `x` row, from decoded 8-bit codes.
@@ -181,13 +96,15 @@ pub(super) fn dot_groups<const N: usize>(
     // SAFETY: `i8` and `u8` have the same size and alignment, and every bit pattern
     let bytes: &[u8] = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len()) };
     // SAFETY: the token proves the features; `fits` checked the lengths the loads rely on.
-    let [out] =
-        unsafe { int8_imp::<1, N>([bytes], xs, group, [RowScales::Groups(scales, 1.0)], false) };
+    let [out] = unsafe { int8_imp::<1, N>([bytes], xs, group, [RowScales::Groups(scales, 1.0)]) };
     out
 }
 
 /// Rows `first..first + out.len()` of an integer matrix against one `x` row, four rows a
-/// call, the same bits as the AVX2 tier's `dot_rows`. `split` is `x` split for the 4-bit
+/// call, the same bits as the AVX2 tier's `dot_rows`. 8-bit codes run the AVX2 code: at
+/// batch 1 they are bound by reading the codes, and `vpdpwssd` (one 5-cycle chain a row
+/// where the AVX2 code's add is 1 cycle) measured slower, most of all in groups of 32
+/// (4096 x 4096: 1.16 against 0.94 ms). `split` is `x` split for the 4-bit
 /// kernel ([`SplitX::new`] with the matrix's group); without it, or for a group size this
 /// tier has no kernel for, the AVX2 tier runs.
 pub(super) fn dot_rows(
@@ -205,24 +122,11 @@ pub(super) fn dot_rows(
             .and_then(|end| end.checked_mul(rb))
             .is_some_and(|end| end <= v.codes.len());
     match (v.lut, split) {
-        (Some(lut), Some(sx))
-            if rows_fit
-                && sx.group == group
-                && splits(group)
-                && sx.xl.len() >= (2 * rb).div_ceil(CHUNK) * CHUNK
-                && sx.corr.len() >= (2 * rb).div_ceil(group) * 8 =>
-        {
+        (Some(lut), Some(sx)) if rows_fit && sx.covers(rb, group) && nibble_group(group) => {
             in_quads!(v, first, out, |codes, scales| {
                 // SAFETY: the token proves the features; every row is `rb` bytes (a
                 // multiple of 16) and `sx` covers the chunks and groups of such a row.
                 unsafe { nibble_rows_imp(codes, lut, sx, group, scales) }
-            });
-        }
-        (None, _) if rows_fit && group.is_multiple_of(32) && x.len() >= rb => {
-            in_quads!(v, first, out, |codes, scales| {
-                // SAFETY: the token proves the features; every row is `rb` bytes (a
-                // multiple of 16) and `x` is at least that long.
-                unsafe { int8_imp(codes, [x], group, scales, true) }.map(|[o]| o)
             });
         }
         _ => avx2::dot_rows(t.avx2(), v, first, x, out),
@@ -248,9 +152,15 @@ fn flush(f: &mut __m256, classes: __m256i, scale: f32) {
     *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(classes), _mm256_set1_ps(scale), *f);
 }
 
+/// [`flush`] for sums already converted: the same `fma`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+fn flush_f32(f: &mut __m256, classes: __m256, scale: f32) {
+    *f = _mm256_fmadd_ps(classes, _mm256_set1_ps(scale), *f);
+}
+
 /// `M` rows of 8-bit codes against `N` rows of 14-bit `x`, 32 weights a step
-/// (`vpdpwssd`), the row's scale per group. `ahead`: prefetch the rows that follow the
-/// last of `w` (the batch-1 stream).
+/// (`vpdpwssd`), the row's scale per group.
 ///
 /// # Safety
 /// The token's features present; the shortest row of `w` a multiple of 16 long, `group`
@@ -261,11 +171,9 @@ unsafe fn int8_imp<const M: usize, const N: usize>(
     xs: [&[i16]; N],
     group: usize,
     scales: [RowScales<'_>; M],
-    ahead: bool,
 ) -> [[f32; N]; M] {
     let kp = w.iter().map(|r| r.len()).min().unwrap_or(0);
     let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
-    let next = following(&w);
     let mut f = [[_mm256_setzero_ps(); N]; M];
     let mut start = 0;
     for g in 0..groups {
@@ -278,10 +186,6 @@ unsafe fn int8_imp<const M: usize, const N: usize>(
         while c < end {
             // 32 weights, or the row's last 16 (the rest of the lanes masked off: zero)
             let mask: u32 = if end - c >= 32 { u32::MAX } else { 0xffff };
-            if ahead {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * c));
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * c + 64));
-            }
             let mut xv = [_mm512_setzero_si512(); N];
             for (v, x) in xv.iter_mut().zip(&xs) {
                 // SAFETY: the selected lanes are c..c + 32 (or c + 16) <= end <= kp,
@@ -310,43 +214,30 @@ unsafe fn int8_imp<const M: usize, const N: usize>(
     f.map(|row| row.map(|v| hsum(v)))
 }
 
-/// The class sums of one chunk's 4-bit accumulators, as two halves (`[A01, B01]` and
-/// `[A23, B23]`: runs 0 and 1, runs 2 and 3) where `l`, `h` hold the sums of
-/// `u · xl` and `u · xh` for the first four classes (`[0]`) and the last four
-/// (`[1]`), each 128-bit lane one run.
+/// Group `g`'s eight corrections, and the next group's when `two` (zeros otherwise), as
+/// one register.
+///
+/// # Safety
+/// The token's features present; `sx` holds group `g` (`8 * g + 8 <= sx.corr.len()`) and,
+/// when `two`, group `g + 1`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-fn fold_halves(l: [__m512i; 2], h: [__m512i; 2]) -> (__m256i, __m256i) {
-    let a = _mm512_add_epi32(l[0], _mm512_slli_epi32::<8>(h[0]));
-    let b = _mm512_add_epi32(l[1], _mm512_slli_epi32::<8>(h[1]));
-    // [A0, B0, A2, B2] + [A1, B1, A3, B3], by 64-bit lanes (8-15 from `b`)
-    let p = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), b);
-    let q = _mm512_permutex2var_epi64(a, _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15), b);
-    let s = _mm512_add_epi32(p, q);
-    (_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s))
+unsafe fn corr_of(sx: &SplitX, g: usize, two: bool) -> __m512i {
+    let mask: u16 = if two { 0xffff } else { 0x00ff };
+    // SAFETY: the selected lanes are in range (caller); the others are not read
+    unsafe { _mm512_maskz_loadu_epi32(mask, sx.corr.as_ptr().add(8 * g)) }
 }
 
-/// Group `g`'s eight corrections.
+/// `M` rows of 4-bit codes (indices into `lut`) against one split row of `x`, a chunk
+/// (128 weights, 64 code bytes, two pairs of runs) a step with `vpdpbusd`: the codes'
+/// 64-bit halves regrouped by pair (`vpermq`) and their bytes put in the layout's order
+/// ([`PAIR_ORDER`]), so each 32-bit lane sums one class of one pair and a pair's eight
+/// lanes are its eight class sums. For groups of one pair, a step ends two groups
+/// (one in each 256-bit half); for groups of whole chunks, the halves are added.
 ///
 /// # Safety
-/// AVX present; `sx` holds group `g` (`8 * g + 8 <= sx.corr.len()`).
-#[target_feature(enable = "avx2")]
-#[inline]
-unsafe fn corr_of(sx: &SplitX, g: usize) -> __m256i {
-    // SAFETY: in range (caller)
-    unsafe { _mm256_loadu_si256(sx.corr.as_ptr().add(8 * g).cast::<__m256i>()) }
-}
-
-/// `M` rows of 4-bit codes (indices into `lut`) against one split row of `x`, 128 weights
-/// (64 code bytes, four runs) a step with `vpdpbusd`, for groups of whole steps: the
-/// per-row formats' 1,024 columns and groups of 128. (For groups of 64 it measured no
-/// faster than the AVX2 code, 4096 x 4096 at batch 1: folding and scaling two groups a
-/// step costs as much as their products; those run the AVX2 code.)
-///
-/// # Safety
-/// The token's features present; `group` a multiple of 128 and `sx` split for it;
-/// `sx` covers the shortest row's chunks (`CHUNK` bytes of `xl` and of `xh` for each 64
-/// code bytes, rounded up) and groups (8 corrections each).
+/// The token's features present; `group` 64 or a multiple of 128, `sx` split for it and
+/// covering the shortest row ([`SplitX::covers`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn nibble_rows_imp<const M: usize>(
     codes: [&[u8]; M],
@@ -357,16 +248,24 @@ unsafe fn nibble_rows_imp<const M: usize>(
 ) -> [f32; M] {
     let runs = codes.iter().map(|r| r.len()).min().unwrap_or(0) / 16;
     let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
-    let runs_a_group = group / 32;
-    // SAFETY: `lut` is 16 bytes
+    let chunks_a_group = group / CHUNK;
+    // for groups of whole chunks: the group being summed and its chunks so far (counted,
+    // not divided: a division a step is slow)
+    let (mut g, mut in_group) = (0, 0);
     let biased = lut.map(|v| v ^ i8::MIN);
-    // SAFETY: `biased` is 16 bytes
-    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(biased.as_ptr().cast()) });
+    // SAFETY: `biased` and `PAIR_ORDER` are 16 bytes
+    let (table, order) = unsafe {
+        (
+            _mm512_broadcast_i32x4(_mm_loadu_si128(biased.as_ptr().cast())),
+            _mm512_broadcast_i32x4(_mm_loadu_si128(PAIR_ORDER.as_ptr().cast())),
+        )
+    };
+    let by_pair = _mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7);
     let low = _mm512_set1_epi8(0x0f);
     let zero = _mm512_setzero_si512();
     let next = following(&codes);
     let mut f = [_mm256_setzero_ps(); M];
-    let (mut l, mut h) = ([[zero; 2]; M], [[zero; 2]; M]);
+    let (mut l, mut h) = ([zero; M], [zero; M]);
     for chunk in 0..runs.div_ceil(4) {
         let first_run = 4 * chunk;
         let n = (runs - first_run).min(4);
@@ -379,7 +278,7 @@ unsafe fn nibble_rows_imp<const M: usize>(
             _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * 64 * chunk + 64 * k));
         }
         // SAFETY: bytes CHUNK * chunk.. + CHUNK of `xl` and `xh` are in range (caller)
-        let (xla, xlb, xha, xhb) = unsafe {
+        let (xl_lo, xl_hi, xh_lo, xh_hi) = unsafe {
             let (pl, ph) = (
                 sx.xl.as_ptr().add(CHUNK * chunk),
                 sx.xh.as_ptr().add(CHUNK * chunk),
@@ -393,31 +292,54 @@ unsafe fn nibble_rows_imp<const M: usize>(
         };
         for ((lm, hm), r) in l.iter_mut().zip(h.iter_mut()).zip(&codes) {
             // SAFETY: the selected bytes, 16 * first_run .. + 16 * n, are within the
-            // row's `16 * runs` (the rest are not read)
+            // row's `16 * runs` (the rest are not read, and meet zeros in `x`)
             let c = unsafe { _mm512_maskz_loadu_epi8(mask, r.as_ptr().add(64 * chunk).cast()) };
+            let c = _mm512_shuffle_epi8(_mm512_permutexvar_epi64(by_pair, c), order);
+            // each the code's value plus 128, unsigned
             let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(c, low));
             let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(c), low));
-            // per run, 4 bytes a lane, one class each: low nibbles 2k, 2k + 1, then high;
-            // each the code's value plus 128, unsigned
-            let (a, b) = (_mm512_unpacklo_epi16(lo, hi), _mm512_unpackhi_epi16(lo, hi));
-            lm[0] = _mm512_dpbusd_epi32(lm[0], a, xla);
-            lm[1] = _mm512_dpbusd_epi32(lm[1], b, xlb);
-            hm[0] = _mm512_dpbusd_epi32(hm[0], a, xha);
-            hm[1] = _mm512_dpbusd_epi32(hm[1], b, xhb);
+            *lm = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*lm, lo, xl_lo), hi, xl_hi);
+            *hm = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*hm, lo, xh_lo), hi, xh_hi);
         }
         let done = first_run + n;
-        if done.is_multiple_of(runs_a_group) || done == runs {
-            let g = first_run / runs_a_group;
+        if group == PAIR {
+            // groups 2 · chunk (the low half) and 2 · chunk + 1 (the high half, if any)
+            let g = 2 * chunk;
+            let two = n > 2 && g + 1 < groups;
             for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
-                let (first, second) = fold_halves(*lm, *hm);
                 if g < groups {
-                    let classes = _mm256_add_epi32(first, second);
+                    let sums = _mm512_add_epi32(*lm, _mm512_slli_epi32::<8>(*hm));
+                    // SAFETY: groups the row reaches, which `sx` covers (caller)
+                    let sums = _mm512_sub_epi32(sums, unsafe { corr_of(sx, g, two) });
+                    let v = _mm512_cvtepi32_ps(sums);
+                    flush_f32(fm, _mm512_castps512_ps256(v), s.get(g));
+                    if two {
+                        let upper =
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                        flush_f32(fm, upper, s.get(g + 1));
+                    }
+                }
+                (*lm, *hm) = (zero, zero);
+            }
+        } else {
+            in_group += 1;
+            if in_group < chunks_a_group && done < runs {
+                continue;
+            }
+            for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
+                if g < groups {
+                    let sums = _mm512_add_epi32(*lm, _mm512_slli_epi32::<8>(*hm));
+                    let classes = _mm256_add_epi32(
+                        _mm512_castsi512_si256(sums),
+                        _mm512_extracti64x4_epi64::<1>(sums),
+                    );
                     // SAFETY: a group the row reaches, which `sx` covers (caller)
-                    let cg = unsafe { corr_of(sx, g) };
+                    let cg = _mm512_castsi512_si256(unsafe { corr_of(sx, g, false) });
                     flush(fm, _mm256_sub_epi32(classes, cg), s.get(g));
                 }
-                (*lm, *hm) = ([zero; 2], [zero; 2]);
+                (*lm, *hm) = (zero, zero);
             }
+            (g, in_group) = (g + 1, 0);
         }
     }
     f.map(|v| hsum(v))

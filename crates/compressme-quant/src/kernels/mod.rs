@@ -7,10 +7,39 @@ use rayon::prelude::*;
 use crate::{Error, Format, Packed, Result};
 
 #[cfg(target_arch = "x86_64")]
+/// Runs `$body` (an expression over arrays `$codes` and `$scales` of rows) on the rows
+/// from `$first`, four at a time, then one at a time for the rest: the body is expanded
+/// for both array lengths.
+macro_rules! in_quads {
+    ($v:expr, $first:expr, $out:expr, |$codes:ident, $scales:ident| $body:expr) => {{
+        let (v, first) = ($v, $first);
+        for (i, quad) in $out.chunks_mut(4).enumerate() {
+            let r = first + 4 * i;
+            if let Ok(quad) = <&mut [f32; 4]>::try_from(&mut *quad) {
+                let $codes = [0, 1, 2, 3].map(|k| v.codes_of(r + k));
+                let $scales = [0, 1, 2, 3].map(|k| v.scales_of(r + k));
+                *quad = $body;
+            } else {
+                for (k, o) in quad.iter_mut().enumerate() {
+                    let $codes = [v.codes_of(r + k)];
+                    let $scales = [v.scales_of(r + k)];
+                    [*o] = $body;
+                }
+            }
+        }
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+#[macro_use]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avxvnni;
 mod portable;
+#[cfg(target_arch = "x86_64")]
+mod split;
 
 /// Largest magnitude of a rounded activation: 14-bit fixed point.
 pub(crate) const X_MAX: f32 = 8191.0;
@@ -56,18 +85,27 @@ pub enum Tier {
     /// AVX2, FMA and F16C: 14-bit activations times codes widened to 16 bits
     /// (`vpmaddwd`).
     Avx2,
-    /// AVX-512 F/BW/VL and AVX-512 VNNI on top of the AVX2 tier: 8-bit codes widened to
-    /// 16 bits 32 at a time (`vpdpwssd`); 4-bit codes at batch 1, in groups of 128 or per
-    /// row, as bytes against the activations split into high and low bytes (`vpdpbusd`,
-    /// 64 products an instruction); F16/BF16 at batch 2 and up in tiles of 4 weight rows
-    /// by 8 rows of `x`. Where those measured no faster (4-bit groups of 64 or less,
-    /// short groups at batch 2 and up, F16/BF16 at batch 1) it runs the AVX2 tier's code.
+    /// AVX-VNNI (256-bit `vpdpwssd` and `vpdpbusd`, VEX-encoded: CPUs without AVX-512
+    /// have it from Alder Lake on) on top of the AVX2 tier: 4-bit codes at batch 1, in
+    /// groups of 64 or more, a pair of runs a step as bytes against the activations split
+    /// into high and low bytes; 8-bit codes at batch 2 and up with no separate add.
+    /// Everything else (8-bit codes at batch 1 among it, where `vpdpwssd` measured no
+    /// faster) runs the AVX2 tier's code.
+    AvxVnni,
+    /// AVX-512 F/BW/VL and AVX-512 VNNI on top of the AVX2 tier: 4-bit codes at batch
+    /// 1, in groups of 64, of whole 128s or per row, as bytes against the activations
+    /// split into high and low bytes (`vpdpbusd`, 64 products an instruction); 8-bit
+    /// codes in long groups (the per-row formats) at batch 2 and up, widened to 16 bits
+    /// 32 at a time (`vpdpwssd`); F16/BF16 at batch 2 and up in tiles of 4 weight rows by
+    /// 8 rows of `x`. Where those measured no faster (8-bit codes at batch 1, 4-bit groups
+    /// of 32, short groups at batch 2 and up, F16/BF16 at batch 1) it runs the AVX2 tier's
+    /// code.
     Avx512Vnni,
 }
 
 impl Tier {
     /// Every tier, slowest first.
-    pub const ALL: [Self; 3] = [Self::Portable, Self::Avx2, Self::Avx512Vnni];
+    pub const ALL: [Self; 4] = [Self::Portable, Self::Avx2, Self::AvxVnni, Self::Avx512Vnni];
 
     /// The name `COMPRESSME_KERNEL` takes.
     #[must_use]
@@ -75,6 +113,7 @@ impl Tier {
         match self {
             Self::Portable => "portable",
             Self::Avx2 => "avx2",
+            Self::AvxVnni => "avx-vnni",
             Self::Avx512Vnni => "avx512-vnni",
         }
     }
@@ -91,6 +130,7 @@ impl Tier {
         match self {
             Self::Portable => "nothing",
             Self::Avx2 => "avx2, fma, f16c",
+            Self::AvxVnni => "avx2, fma, f16c, avx_vnni",
             Self::Avx512Vnni => "avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512_vnni",
         }
     }
@@ -151,6 +191,8 @@ enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx2(avx2::Token),
     #[cfg(target_arch = "x86_64")]
+    AvxVnni(avxvnni::Token),
+    #[cfg(target_arch = "x86_64")]
     Avx512(avx512::Token),
     Portable,
 }
@@ -162,6 +204,8 @@ impl Isa {
             Tier::Portable => Some(Self::Portable),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 => avx2::Token::detect().map(Self::Avx2),
+            #[cfg(target_arch = "x86_64")]
+            Tier::AvxVnni => avxvnni::Token::detect().map(Self::AvxVnni),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni => avx512::Token::detect().map(Self::Avx512),
             #[cfg(not(target_arch = "x86_64"))]
@@ -187,10 +231,12 @@ impl Isa {
     fn row_input<'x>(self, x: &'x [i16], v: &RowsView<'_>) -> RowX<'x> {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512(_) if v.lut.is_some() && avx512::splits(v.group) => RowX {
-                x,
-                split: Some(avx512::SplitX::new(x, v.group)),
-            },
+            Self::Avx512(_) | Self::AvxVnni(_) if v.lut.is_some() && split::splits(v.group) => {
+                RowX {
+                    x,
+                    split: Some(split::SplitX::new(x, v.group)),
+                }
+            }
             _ => RowX {
                 x,
                 #[cfg(target_arch = "x86_64")]
@@ -211,6 +257,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_groups(t, w, xs, group, scales),
             #[cfg(target_arch = "x86_64")]
+            Self::AvxVnni(t) => avxvnni::dot_groups(t, w, xs, group, scales),
+            #[cfg(target_arch = "x86_64")]
             Self::Avx512(t) => avx512::dot_groups(t, w, xs, group, scales),
             Self::Portable => portable::dot_groups(w, xs, group, scales),
         }
@@ -230,6 +278,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_nibbles(t, codes, lut, xs, group, scales),
             #[cfg(target_arch = "x86_64")]
+            Self::AvxVnni(t) => avx2::dot_nibbles(t.avx2(), codes, lut, xs, group, scales),
+            #[cfg(target_arch = "x86_64")]
             Self::Avx512(t) => avx2::dot_nibbles(t.avx2(), codes, lut, xs, group, scales),
             Self::Portable => portable::dot_nibbles(codes, lut, xs, group, scales),
         }
@@ -243,6 +293,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_rows(t, v, first, x.x, out),
             #[cfg(target_arch = "x86_64")]
+            Self::AvxVnni(t) => avxvnni::dot_rows(t, v, first, x.x, x.split.as_ref(), out),
+            #[cfg(target_arch = "x86_64")]
             Self::Avx512(t) => avx512::dot_rows(t, v, first, x.x, x.split.as_ref(), out),
             Self::Portable => portable::dot_rows(v, first, x.x, out),
         }
@@ -255,6 +307,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::decode_nibbles(t, codes, lut, out),
             #[cfg(target_arch = "x86_64")]
+            Self::AvxVnni(t) => avx2::decode_nibbles(t.avx2(), codes, lut, out),
+            #[cfg(target_arch = "x86_64")]
             Self::Avx512(t) => avx2::decode_nibbles(t.avx2(), codes, lut, out),
             Self::Portable => portable::decode_nibbles(codes, lut, out),
         }
@@ -266,6 +320,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_f32(t, a, b),
             #[cfg(target_arch = "x86_64")]
+            Self::AvxVnni(t) => avx2::dot_f32(t.avx2(), a, b),
+            #[cfg(target_arch = "x86_64")]
             Self::Avx512(t) => avx2::dot_f32(t.avx2(), a, b),
             Self::Portable => portable::dot_f32(a, b),
         }
@@ -276,6 +332,8 @@ impl Isa {
         match self {
             #[cfg(target_arch = "x86_64")]
             Self::Avx2(t) => avx2::dot_half(t, codes, bf16, xs),
+            #[cfg(target_arch = "x86_64")]
+            Self::AvxVnni(t) => avx2::dot_half(t.avx2(), codes, bf16, xs),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512(t) => avx2::dot_half(t.avx2(), codes, bf16, xs),
             Self::Portable => portable::dot_half(codes, bf16, xs),
@@ -317,7 +375,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 struct RowX<'x> {
     x: &'x [i16],
     #[cfg(target_arch = "x86_64")]
-    split: Option<avx512::SplitX>,
+    split: Option<split::SplitX>,
 }
 
 /// Rows of `x` rounded to 14-bit fixed point, each padded with zeros to `kp` values.

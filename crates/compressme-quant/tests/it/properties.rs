@@ -345,6 +345,43 @@ fn supported_tiers() -> Vec<Tier> {
     Tier::ALL.into_iter().filter(|t| t.supported()).collect()
 }
 
+/// Every row length up to ten chunks of 128 weights, so every count of runs and pairs
+/// and every partial last group meets each kernel's tail, at batch 1 (the wide 4-bit
+/// kernels) and 2: every SIMD tier gives the AVX2 tier's bits. (The proptest draws
+/// these lengths too, but a given tail only now and then.)
+#[test]
+fn every_tier_gives_the_avx2_bits_at_every_row_length() {
+    let tiers = supported_tiers();
+    if !tiers.contains(&Tier::Avx2) {
+        eprintln!("skipped: every_tier_gives_the_avx2_bits_at_every_row_length (no AVX2)");
+        return;
+    }
+    let rows = 5;
+    for format in all_formats() {
+        for cols in 1usize..=1280 {
+            if cols > 300 && !cols.is_multiple_of(32) && cols % 64 != 63 {
+                continue;
+            }
+            let q = quantize(&weights(rows, cols, cols as u64), rows, cols, format).unwrap();
+            for batch in [1, 2] {
+                let x = weights(batch, cols, 7 ^ cols as u64);
+                let bits = |t: Tier| -> Vec<u32> {
+                    let y = matmul_with(Backend::Tier(t), &x, batch, &q).unwrap();
+                    y.into_iter().map(f32::to_bits).collect()
+                };
+                let want = bits(Tier::Avx2);
+                for &tier in tiers.iter().filter(|&&t| t > Tier::Avx2) {
+                    assert_eq!(
+                        bits(tier),
+                        want,
+                        "{format:?}, {cols} columns, batch {batch}, {tier}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A tier the CPU lacks is refused by name, not run on another; one it has runs.
 #[test]
 fn a_tier_the_cpu_lacks_is_refused_by_name() {
