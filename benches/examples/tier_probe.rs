@@ -1,5 +1,6 @@
-//! One format's batch-1 product on each SIMD tier, interleaved, for profiling a kernel:
-//! `cargo run --release -p compressme-benches --example tier_probe -- nf4-g64 [reps]`.
+//! One format's product (4096 x 4096) on each SIMD tier, interleaved, for profiling a
+//! kernel: `cargo run --release -p compressme-benches --example tier_probe -- FORMAT
+//! [REPS [TIER|all [BATCH]]]` (defaults `nf4-g64 200 all 1`); prints each tier's best time.
 use std::time::Instant;
 
 use compressme_quant::synthetic::{MatrixKind, matrix};
@@ -12,12 +13,16 @@ fn main() -> Result<(), String> {
         .next()
         .map_or(Ok(200), |r| r.parse())
         .map_err(|e| format!("{e}"))?;
-    let only = args.next();
+    let only = args.next().filter(|t| t != "all");
+    let batch: usize = args
+        .next()
+        .map_or(Ok(1), |b| b.parse())
+        .map_err(|e| format!("{e}"))?;
     let format = Format::parse(&name).map_err(|e| e.to_string())?;
     let n = 4096;
     let w = quantize(&matrix(MatrixKind::Gaussian, n, n, 1), n, n, format)
         .map_err(|e| e.to_string())?;
-    let x = matrix(MatrixKind::Gaussian, 1, n, 2);
+    let x = matrix(MatrixKind::Gaussian, batch, n, 2);
     let tiers: Vec<Tier> = Tier::ALL
         .into_iter()
         .filter(|t| *t != Tier::Portable && t.supported())
@@ -27,12 +32,15 @@ fn main() -> Result<(), String> {
     for _ in 0..reps {
         for (b, &t) in best.iter_mut().zip(&tiers) {
             let s = Instant::now();
-            matmul_with(Backend::Tier(t), &x, 1, &w).map_err(|e| e.to_string())?;
+            matmul_with(Backend::Tier(t), &x, batch, &w).map_err(|e| e.to_string())?;
             *b = b.min(s.elapsed().as_secs_f64());
         }
     }
     for (b, t) in best.iter().zip(&tiers) {
-        println!("{name} [{t}] batch 1: {:.3} ms (best of {reps})", 1e3 * b);
+        println!(
+            "{name} [{t}] batch {batch}: {:.3} ms (best of {reps})",
+            1e3 * b
+        );
     }
     Ok(())
 }
