@@ -268,12 +268,8 @@ pub(super) fn dot_rows(t: Token, v: &RowsView<'_>, first: usize, x: &[i16], out:
     let unit = if v.lut.is_some() { 32 } else { STEP };
     let fits = group > 0
         && group.is_multiple_of(unit)
-        && rb.is_multiple_of(16)
         && x.len() >= weights
-        && first
-            .checked_add(out.len())
-            .and_then(|end| end.checked_mul(rb))
-            .is_some_and(|end| end <= v.codes.len());
+        && v.whole_rows(first, out.len());
     if !fits {
         return portable::dot_rows(v, first, x, out);
     }

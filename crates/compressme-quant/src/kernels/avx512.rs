@@ -116,11 +116,7 @@ pub(super) fn dot_rows(
     out: &mut [f32],
 ) {
     let (rb, group) = (v.row_bytes, v.group);
-    let rows_fit = rb.is_multiple_of(16)
-        && first
-            .checked_add(out.len())
-            .and_then(|end| end.checked_mul(rb))
-            .is_some_and(|end| end <= v.codes.len());
+    let rows_fit = v.whole_rows(first, out.len());
     match (v.lut, split) {
         (Some(lut), Some(sx)) if rows_fit && sx.covers(rb, group) && nibble_group(group) => {
             in_quads!(v, first, out, |codes, scales| {

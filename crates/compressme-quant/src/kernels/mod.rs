@@ -610,6 +610,17 @@ impl<'a> RowsView<'a> {
         }
     }
 
+    /// Whether rows `first..first + count` are whole rows of codes, each a multiple of 16
+    /// bytes: what the SIMD row kernels load.
+    #[cfg(target_arch = "x86_64")]
+    fn whole_rows(&self, first: usize, count: usize) -> bool {
+        self.row_bytes.is_multiple_of(16)
+            && first
+                .checked_add(count)
+                .and_then(|end| end.checked_mul(self.row_bytes))
+                .is_some_and(|end| end <= self.codes.len())
+    }
+
     /// Row `r`'s codes (empty past the end).
     #[inline]
     fn codes_of(&self, r: usize) -> &'a [u8] {
