@@ -97,6 +97,15 @@ pub(super) fn flush<const N: usize>(f: &mut [__m256; N], acc: [__m256i; N], scal
     }
 }
 
+/// Whether decoded codes `w` and rows `xs` fit the `dot_groups` kernels' 16-wide steps
+/// (this tier's and the AVX-VNNI tier's).
+pub(super) fn groups_fit<const N: usize>(w: &[i8], xs: &[&[i16]; N], group: usize) -> bool {
+    group > 0
+        && group.is_multiple_of(STEP)
+        && w.len().is_multiple_of(STEP)
+        && xs.iter().all(|x| x.len() >= w.len())
+}
+
 pub(super) fn dot_groups<const N: usize>(
     t: Token,
     w: &[i8],
@@ -104,16 +113,11 @@ pub(super) fn dot_groups<const N: usize>(
     group: usize,
     scales: &[f32],
 ) -> [f32; N] {
-    let kp = w.len();
-    let fits = group > 0
-        && group.is_multiple_of(STEP)
-        && kp.is_multiple_of(STEP)
-        && xs.iter().all(|x| x.len() >= kp);
-    if !fits {
+    if !groups_fit(w, &xs, group) {
         return portable::dot_groups(w, xs, group, scales);
     }
     let _ = t;
-    // SAFETY: the token proves AVX2 and FMA; `fits` checked the lengths the loads rely on.
+    // SAFETY: the token proves AVX2 and FMA; `groups_fit` checked the lengths the loads rely on.
     // Common group sizes get a fixed trip count, so their inner loop unrolls.
     unsafe { by_group!(group, dot_groups_imp::<N>(w, xs, group, scales)) }
 }

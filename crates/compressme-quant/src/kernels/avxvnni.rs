@@ -55,16 +55,11 @@ pub(super) fn dot_groups<const N: usize>(
     group: usize,
     scales: &[f32],
 ) -> [f32; N] {
-    let kp = w.len();
-    let fits = group > 0
-        && group.is_multiple_of(STEP)
-        && kp.is_multiple_of(STEP)
-        && xs.iter().all(|x| x.len() >= kp);
-    if !fits {
+    if !avx2::groups_fit(w, &xs, group) {
         return avx2::dot_groups(t.avx2(), w, xs, group, scales);
     }
-    // SAFETY: the token proves the features; `fits` checked the lengths the loads rely
-    // on. Common group sizes get a fixed trip count, as on the AVX2 tier.
+    // SAFETY: the token proves the features; `groups_fit` checked the lengths the loads
+    // rely on. Common group sizes get a fixed trip count, as on the AVX2 tier.
     unsafe { by_group!(group, dot_groups_imp::<N>(w, xs, group, scales)) }
 }
 
