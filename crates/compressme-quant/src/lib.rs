@@ -10,9 +10,10 @@
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
 //! computes `x W^T` reading the packed bytes (integer sums for the integer formats with
 //! activations rounded to 14 bits), never holding `W` in f32, on all cores, on the fastest
-//! [`Tier`] the CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL` forces
-//! one, see [`kernel_tier`]), every tier giving the same bits; [`reference::matmul`] is the exact definition it is held to, within
-//! [`error_bound`].
+//! [`Tier`] the CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL`
+//! forces one, see [`kernel_tier`]), every SIMD tier giving the same bits (batches of 8 or
+//! more run on tiles, one `x` row a vector lane); [`reference::matmul`] is the exact
+//! definition it is held to, within [`error_bound`].
 //!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
 //! benches put llama.cpp's formats beside these), and not a file format (the artifact

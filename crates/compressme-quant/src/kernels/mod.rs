@@ -40,6 +40,8 @@ mod avxvnni;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod split;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
 
 /// Largest magnitude of a rounded activation: 14-bit fixed point.
 pub(crate) const X_MAX: f32 = 8191.0;
@@ -74,9 +76,12 @@ pub enum Backend {
     Tier(Tier),
 }
 
-/// A set of kernels for one instruction-set level, chosen at run time. Every tier gives
-/// the same bits for the same product (each computes the same exact `i32` group sums and
-/// runs the same f32 operations on them), so a tier changes speed, never results.
+/// A set of kernels for one instruction-set level, chosen at run time. Every SIMD tier
+/// gives the same bits for the same product (each computes the same exact `i32` group
+/// sums and runs the same f32 operations on them), so a tier changes speed, never
+/// results; the portable tier computes the same integer sums and accumulates them in f32
+/// in a plainer order (within the same [`error_bound`]). A batch of 8 or more runs on
+/// tiles on every SIMD tier (see [`matmul`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
 pub enum Tier {
@@ -225,6 +230,17 @@ impl Isa {
                 tier.needs()
             ))
         })
+    }
+
+    /// The code that runs batches of [`tiles::MIN_BATCH`] and more, on the SIMD tiers.
+    #[cfg(target_arch = "x86_64")]
+    fn tiles(self) -> Option<tiles::Kind> {
+        match self {
+            Self::Avx2(t) => Some(tiles::Kind::Avx2(t)),
+            Self::AvxVnni(t) => Some(tiles::Kind::Avx2(t.avx2())),
+            Self::Avx512(t) => Some(tiles::Kind::Avx512(t)),
+            Self::Portable => None,
+        }
     }
 
     /// `x` prepared once a product for [`Isa::dot_rows`] on this tier.
@@ -659,11 +675,17 @@ impl<'a> RowsView<'a> {
 ///   llama.cpp's IQ4_NL does). Products `c · q` are summed exactly in `i32` over each group
 ///   (16 at a time with AVX2's `vpmaddwd`), then scaled and accumulated in f32. Up to four
 ///   rows of `x` share each decoded weight: at batch 4 or less 4-bit codes are expanded in
-///   registers as they are read; larger batches decode each weight row once into a small
-///   reused buffer (one per thread) and run every row of `x` against it. A single row of
-///   `x` (generation) runs against four weight rows a call instead, reading their stored
-///   codes in place and prefetching the rows that follow; each output is the same bits
-///   as the same row inside a larger batch.
+///   registers as they are read; batches of 5 to 7 decode each weight row once into a
+///   small reused buffer (one per thread) and run every row of `x` against it. A single
+///   row of `x` (generation) runs against four weight rows a call instead, reading their
+///   stored codes in place and prefetching the rows that follow; each output is the same
+///   bits as the same row inside a batch of 7 or less. A batch of 8 or more runs on
+///   *tiles* on the SIMD tiers (`x` transposed once so that a vector holds 16 or 8 of its
+///   rows, each weight row widened once and its pairs of codes broadcast against it, eight
+///   weight rows a call): each group's sum for one output is a single `i32`, and the
+///   groups are accumulated in order with one `fma` each, so these outputs are not the
+///   same bits as at batch 7 or less, but are within the same bound and the same on every
+///   SIMD tier.
 /// - **`F16` and `Bf16`** are converted to f32 eight at a time (F16C) and multiplied in
 ///   f32: they store less, they do not compute less.
 /// - A row of `x` holding NaN or infinity is multiplied in f32 against each decoded row,
@@ -783,6 +805,19 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             },
         );
         return;
+    }
+    // eight rows of x and more: sixteen weight rows a panel, one row a lane
+    #[cfg(target_arch = "x86_64")]
+    if batch >= tiles::MIN_BATCH {
+        let view = RowsView::new(w, fx.kp);
+        if let (Some(kind), true) = (isa.tiles(), tiles::fits(&view, fx.kp)) {
+            let finish = |v: f32, r: usize, b: usize| {
+                with_mins(v, r, b) * fx.d.get(b).copied().unwrap_or(0.0)
+            };
+            let macs = batch * w.rows() * cols;
+            tiles::run(kind, fx, batch, &view, w.rows(), macs, yt, &finish);
+            return;
+        }
     }
     run_tasks(
         yt,

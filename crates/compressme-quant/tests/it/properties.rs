@@ -75,7 +75,10 @@ proptest! {
     /// The kernels that read packed rows stay within the stated bound of
     /// dequantize-then-multiply, on every backend; the SIMD and portable backends agree.
     #[test]
-    fn matmul_matches_reference((format, rows, cols, seed) in case(), batch in 0usize..=6) {
+    fn matmul_matches_reference(
+        (format, rows, cols, seed) in case(),
+        batch in prop_oneof![0usize..=6, 8usize..=20],
+    ) {
         let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
         let x = weights(batch, cols, seed ^ 0xabc);
         let fast = matmul(&x, batch, &q).unwrap();
@@ -104,7 +107,8 @@ proptest! {
     /// One row of activations (generation: four weight rows a kernel call, codes read in
     /// place) gives the same bits as that row inside a larger batch (one weight row at a
     /// time against up to four `x` rows), on every backend: the same integer sums, flushed
-    /// and summed in the same order.
+    /// and summed in the same order. (A batch of 8 or more runs the tiles, whose sums are
+    /// flushed per group a lane: not these bits, and not drawn here.)
     #[test]
     fn one_row_gives_the_bits_of_that_row_in_a_batch(
         (format, _, cols, seed) in case(),
@@ -130,7 +134,7 @@ proptest! {
         format in format(),
         rows in 1usize..=9,
         cols in prop_oneof![1usize..=700, Just(576), Just(1536), Just(1024), Just(2112)],
-        batch in prop_oneof![Just(1usize), 0usize..=7],
+        batch in prop_oneof![Just(1usize), 0usize..=7, 8usize..=40],
         seed in any::<u64>(),
     ) {
         let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
@@ -347,7 +351,8 @@ fn supported_tiers() -> Vec<Tier> {
 
 /// Every row length up to ten chunks of 128 weights, so every count of runs and pairs
 /// and every partial last group meets each kernel's tail, at batch 1 (the wide 4-bit
-/// kernels) and 2: every SIMD tier gives the AVX2 tier's bits. (The proptest draws
+/// kernels), 2 and 17 (the tiles of a batch of 8 or more, with a part block): every SIMD
+/// tier gives the AVX2 tier's bits. (The proptest draws
 /// these lengths too, but a given tail only now and then.)
 #[test]
 fn every_tier_gives_the_avx2_bits_at_every_row_length() {
@@ -363,7 +368,7 @@ fn every_tier_gives_the_avx2_bits_at_every_row_length() {
                 continue;
             }
             let q = quantize(&weights(rows, cols, cols as u64), rows, cols, format).unwrap();
-            for batch in [1, 2] {
+            for batch in [1, 2, 17] {
                 let x = weights(batch, cols, 7 ^ cols as u64);
                 let bits = |t: Tier| -> Vec<u32> {
                     let y = matmul_with(Backend::Tier(t), &x, batch, &q).unwrap();
@@ -424,7 +429,7 @@ fn long_rows_at_the_extremes_do_not_overflow() {
                 .into_iter()
                 .map(Backend::Tier)
                 .chain([Backend::Auto, Backend::Portable])
-                .flat_map(|b| [(b, 1), (b, 2), (b, 6)])
+                .flat_map(|b| [(b, 1), (b, 2), (b, 6), (b, 9), (b, 17)])
             {
                 let x = vec![1.0f32; batch * cols];
                 let y = matmul_with(backend, &x, batch, &q).unwrap();

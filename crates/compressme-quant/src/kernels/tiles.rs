@@ -1,0 +1,525 @@
+//! Eight or more rows of `x` against an integer matrix, one `x` row a vector lane.
+//!
+//! `x` is rounded to 14-bit fixed point as everywhere else ([`super::FixedX`]) and then
+//! transposed once a product into a panel of 16 rows (AVX-512) or 8 (AVX2): unit
+//! `p · lanes + l` holds row `l`'s pair of values `2p, 2p + 1`. Each weight row is widened
+//! to `i16` once (4-bit codes through their table first); a pair of its codes, broadcast,
+//! meets the panel's vector of the same pair, one instruction for 16 (or 8) rows of `x`:
+//! `vpdpwssd` on the AVX-512 tier, `vpmaddwd` and an add on the AVX2 tier (the AVX-VNNI
+//! tier runs the AVX2 code). Eight weight rows share each load of the panel. A group's sum
+//! for a row of `x` is one lane, so its flush is one convert and one fused multiply-add
+//! for all the lanes: the per-group work that bounds the one-row-at-a-time kernels (eight
+//! class sums to flush for each row and group) is gone.
+//!
+//! # Arithmetic (the same on every SIMD tier, and in [`reference`])
+//! For weight row `r` and `x` row `b`, with codes in the kernels' integer view:
+//! - each group's products are summed exactly in one `i32` (a group of the per-row
+//!   formats is a flush of [`super::FLUSH`] columns: at most `1024 · 127 · 8191` in
+//!   magnitude, below `2^31`);
+//! - `acc = fma(sum as f32, scale, acc)` for the groups in order, from `acc = 0`;
+//! - then `acc` gets the group minimums' term (`Int4Block`) and `x`'s step, as in the
+//!   other paths.
+//!
+//! So every SIMD tier gives the same bits here, as it does on the other paths; but the
+//! bits are not those of the same row at batch 7 or less (whose kernels sum a group in
+//! eight lanes and add the lanes at the end): a batch of 8 or more is its own product,
+//! within the same [`super::error_bound`].
+//!
+//! Every `unsafe` here is one of two things: calling a `#[target_feature]` function,
+//! which a token makes sound (it exists only after the CPU was seen to have the
+//! features), or an unaligned load, store or broadcast inside a range the safe wrapper
+//! checked first.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m512i, _mm256_add_epi32, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_loadu_si256,
+    _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_storeu_ps, _mm512_cvtepi32_ps, _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
+    _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
+};
+
+use super::{FLUSH, FixedX, RowsView, avx2, avx512};
+
+/// The smallest batch that runs here.
+pub(super) const MIN_BATCH: usize = 8;
+/// Weight rows a task takes.
+pub(super) const ROWS: usize = 16;
+/// Weight rows a kernel call takes (each with its own accumulator).
+const MR: usize = 8;
+/// The widest panel: 16 lanes.
+const LANES: usize = 16;
+
+/// Which tier's code runs the tiles.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Kind {
+    Avx2(avx2::Token),
+    Avx512(avx512::Token),
+}
+
+impl Kind {
+    /// Rows of `x` a vector holds.
+    fn lanes(self) -> usize {
+        match self {
+            Self::Avx2(_) => 8,
+            Self::Avx512(_) => 16,
+        }
+    }
+
+    fn avx2(self) -> avx2::Token {
+        match self {
+            Self::Avx2(t) => t,
+            Self::Avx512(t) => t.avx2(),
+        }
+    }
+}
+
+/// One flush: pairs `start..end` of a row, summed, then scaled by the row's scale number
+/// `scale`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Flush {
+    start: usize,
+    end: usize,
+    scale: usize,
+}
+
+/// The flushes of a row of `kp` slots with `view`'s groups: the same for every row.
+fn schedule(view: &RowsView<'_>, kp: usize) -> Vec<Flush> {
+    let n = view.scales_of(0).len();
+    let group = view.group.clamp(2, FLUSH);
+    let mut out = Vec::with_capacity(n);
+    for g in 0..n {
+        let start = g * group;
+        if start >= kp {
+            break;
+        }
+        let end = (start + group).min(kp);
+        out.push(Flush {
+            start: start / 2,
+            end: end / 2,
+            scale: g,
+        });
+    }
+    out
+}
+
+/// Whether a matrix takes the tiles: groups and padded rows made of whole pairs.
+pub(super) fn fits(view: &RowsView<'_>, kp: usize) -> bool {
+    view.group >= 2 && view.group.is_multiple_of(2) && view.group <= FLUSH && kp.is_multiple_of(2)
+}
+
+/// `x` transposed into blocks of `lanes` rows: unit `p · lanes + l` of block `k` holds
+/// row `k · lanes + l`'s values `2p` (low half) and `2p + 1`; rows past the batch are 0.
+struct XPanel {
+    lanes: usize,
+    pairs: usize,
+    data: Vec<u32>,
+}
+
+impl XPanel {
+    fn new(fx: &FixedX, batch: usize, lanes: usize) -> Self {
+        let pairs = fx.kp / 2;
+        let blocks = batch.div_ceil(lanes);
+        let mut data = vec![0u32; blocks * pairs * lanes];
+        for b in 0..batch {
+            let (k, l) = (b / lanes, b % lanes);
+            let block = &mut data[k * pairs * lanes..(k + 1) * pairs * lanes];
+            for (p, v) in fx.row(b).chunks_exact(2).enumerate().take(pairs) {
+                if let Some(o) = block.get_mut(p * lanes + l) {
+                    *o = u32::from(v[0] as u16) | (u32::from(v[1] as u16) << 16);
+                }
+            }
+        }
+        Self { lanes, pairs, data }
+    }
+
+    fn block(&self, k: usize) -> &[u32] {
+        let n = self.pairs * self.lanes;
+        self.data.get(k * n..(k + 1) * n).unwrap_or(&[])
+    }
+}
+
+/// A thread's reused buffers: a row's 4-bit codes through the table, 16 rows widened to
+/// `i16`, and each row's scale for each flush.
+struct Scratch {
+    kp: usize,
+    codes: Vec<i8>,
+    wide: Vec<i16>,
+    scales: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(kp: usize, flushes: usize) -> Self {
+        Self {
+            kp,
+            codes: vec![0; kp],
+            wide: vec![0; ROWS * kp],
+            scales: vec![0.0; ROWS * flushes],
+        }
+    }
+
+    /// Rows `first..first + n` (`n <= 16`) of the matrix, widened, with their scales;
+    /// rows past `n` are left as they were (their outputs are not kept).
+    fn load(&mut self, kind: Kind, view: &RowsView<'_>, sched: &[Flush], first: usize, n: usize) {
+        let kp = self.kp;
+        let nf = sched.len();
+        for (k, row) in self.wide.chunks_exact_mut(kp.max(1)).enumerate().take(n) {
+            let codes = view.codes_of(first + k);
+            match view.lut {
+                Some(lut) => {
+                    self.codes.fill(0);
+                    super::Isa::Avx2(kind.avx2()).decode_nibbles(codes, lut, &mut self.codes);
+                    for (o, &c) in row.iter_mut().zip(&self.codes) {
+                        *o = i16::from(c);
+                    }
+                }
+                None => {
+                    let (head, tail) = row.split_at_mut(codes.len().min(kp));
+                    for (o, &c) in head.iter_mut().zip(codes) {
+                        *o = i16::from(c as i8);
+                    }
+                    tail.fill(0);
+                }
+            }
+            let scales = view.scales_of(first + k);
+            for (o, f) in self.scales[k * nf..(k + 1) * nf].iter_mut().zip(sched) {
+                *o = scales.get(f.scale);
+            }
+        }
+    }
+}
+
+/// Weight rows `m · 8..m · 8 + 8` of the scratch against one block of the `x` panel:
+/// `out[r][l]` is the row against the block's row `l`, scaled, before minimums and `x`'s
+/// step (AVX2 fills eight lanes).
+fn dots(kind: Kind, s: &Scratch, m: usize, sched: &[Flush], x: &[u32]) -> [[f32; LANES]; MR] {
+    let (kp, nf) = (s.kp, sched.len());
+    let wide = s.wide.get(m * MR * kp..(m + 1) * MR * kp).unwrap_or(&[]);
+    let scales = s.scales.get(m * MR * nf..(m + 1) * MR * nf).unwrap_or(&[]);
+    let ok = wide.len() == MR * kp
+        && scales.len() == MR * nf
+        && sched.iter().all(|f| f.start <= f.end && 2 * f.end <= kp)
+        && x.len() >= kp / 2 * kind.lanes();
+    if !ok {
+        return reference(kind.lanes(), wide, scales, kp, sched, x);
+    }
+    match kind {
+        Kind::Avx2(t) => {
+            let _ = t;
+            // SAFETY: the token proves the features; `ok` checked every range the loads read.
+            unsafe { dots_avx2(wide, scales, kp, sched, x) }
+        }
+        // the AVX-512 tiles run in `dots_all`; here only when its checks failed
+        Kind::Avx512(_) => reference(kind.lanes(), wide, scales, kp, sched, x),
+    }
+}
+
+/// [`dots`] in plain Rust: the definition the SIMD code is held to.
+fn reference(
+    lanes: usize,
+    wide: &[i16],
+    scales: &[f32],
+    kp: usize,
+    sched: &[Flush],
+    x: &[u32],
+) -> [[f32; LANES]; MR] {
+    let nf = sched.len();
+    let mut out = [[0f32; LANES]; MR];
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = wide.get(r * kp..(r + 1) * kp).unwrap_or(&[]);
+        for (l, acc) in o.iter_mut().enumerate().take(lanes) {
+            for (fi, f) in sched.iter().enumerate() {
+                let mut sum = 0i32;
+                for p in f.start..f.end {
+                    let (w0, w1) = (row.get(2 * p), row.get(2 * p + 1));
+                    let v = x.get(p * lanes + l).copied().unwrap_or(0);
+                    let (x0, x1) = (v as u16 as i16, (v >> 16) as u16 as i16);
+                    sum += i32::from(w0.copied().unwrap_or(0)) * i32::from(x0)
+                        + i32::from(w1.copied().unwrap_or(0)) * i32::from(x1);
+                }
+                let scale = scales.get(r * nf + fi).copied().unwrap_or(0.0);
+                *acc = (sum as f32).mul_add(scale, *acc);
+            }
+        }
+    }
+    out
+}
+
+/// A pair of `i16` at pair `p`, as one `i32`.
+///
+/// # Safety
+/// `2p + 2 <= w.len()`.
+#[inline]
+unsafe fn pair_of(w: &[i16], p: usize) -> i32 {
+    // SAFETY: in range (caller)
+    unsafe { w.as_ptr().add(2 * p).cast::<i32>().read_unaligned() }
+}
+
+/// # Safety
+/// AVX2 and FMA present; `wide` is 8 rows of `kp`, `scales` 8 rows of one a flush, every
+/// flush's `2 · end <= kp`, `x` holds `8 · kp / 2` units.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2(
+    wide: &[i16],
+    scales: &[f32],
+    kp: usize,
+    sched: &[Flush],
+    x: &[u32],
+) -> [[f32; LANES]; MR] {
+    let nf = sched.len();
+    let rows: [&[i16]; MR] = std::array::from_fn(|r| &wide[r * kp..(r + 1) * kp]);
+    let mut f = [_mm256_setzero_ps(); MR];
+    for (fi, fl) in sched.iter().enumerate() {
+        let mut acc = [_mm256_setzero_si256(); MR];
+        for p in fl.start..fl.end {
+            // SAFETY: p < end <= kp / 2: eight units from 8p are in `x` (caller)
+            let xv = unsafe { _mm256_loadu_si256(x.as_ptr().add(8 * p).cast()) };
+            for r in 0..MR {
+                // SAFETY: 2p + 2 <= kp (caller)
+                let wv = _mm256_set1_epi32(unsafe { pair_of(rows[r], p) });
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(xv, wv));
+            }
+        }
+        for r in 0..MR {
+            let s = _mm256_set1_ps(scales[r * nf + fi]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, f[r]);
+        }
+    }
+    let mut out = [[0f32; LANES]; MR];
+    for (o, v) in out.iter_mut().zip(f) {
+        // SAFETY: 8 of the row's 16 f32
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+    }
+    out
+}
+
+/// Every weight row of the scratch against every block of the `x` panel, group by group
+/// (so a group's part of the panel and of the rows stays in the first-level cache while
+/// all of them run): `acc[(m · blocks + k) · 8 + r]` accumulates row `8m + r` against
+/// block `k`, lane `l` its row `l`.
+fn dots_all(kind: Kind, s: &Scratch, sched: &[Flush], xp: &XPanel, acc: &mut Vec<[f32; LANES]>) {
+    let (kp, nf, lanes) = (s.kp, sched.len(), kind.lanes());
+    let blocks = xp.data.len() / (xp.pairs * lanes).max(1);
+    acc.clear();
+    acc.resize(ROWS / MR * blocks * MR, [0.0; LANES]);
+    let ok = s.wide.len() == ROWS * kp
+        && s.scales.len() == ROWS * nf
+        && xp.lanes == lanes
+        && 2 * xp.pairs == kp
+        && sched.iter().all(|f| f.start <= f.end && 2 * f.end <= kp);
+    if let (Kind::Avx512(t), true) = (kind, ok) {
+        let _ = t;
+        // SAFETY: the token proves the features; `ok` checked every range the loads read.
+        unsafe { dots_all_avx512(&s.wide, &s.scales, kp, sched, &xp.data, blocks, acc) };
+        return;
+    }
+    for m in 0..ROWS / MR {
+        for k in 0..blocks {
+            let d = dots(kind, s, m, sched, xp.block(k));
+            let at = (m * blocks + k) * MR;
+            if let Some(dst) = acc.get_mut(at..at + MR) {
+                dst.copy_from_slice(&d);
+            }
+        }
+    }
+}
+
+/// The exact sums of pairs `start..end` of eight weight rows against one block of the `x`
+/// panel, a lane a row of `x`.
+///
+/// # Safety
+/// AVX-512 F and VNNI present; `2 · end` at most every row's length, `16 · end` at most
+/// the block's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn block_sums(rows: [&[i16]; MR], xb: &[u32], start: usize, end: usize) -> [__m512i; MR] {
+    let mut sums = [_mm512_setzero_si512(); MR];
+    for p in start..end {
+        // SAFETY: p < end: 16 units from 16p are in the block (caller)
+        let xv = unsafe { _mm512_loadu_si512(xb.as_ptr().add(LANES * p).cast()) };
+        for r in 0..MR {
+            // SAFETY: 2p + 2 <= 2 · end <= the row's length (caller)
+            let pair = unsafe { pair_of(rows[r], p) };
+            sums[r] = _mm512_dpwssd_epi32(sums[r], xv, _mm512_set1_epi32(pair));
+        }
+    }
+    sums
+}
+
+/// # Safety
+/// AVX-512 F, VNNI and FMA present; `wide` is 16 rows of `kp`, `scales` 16 rows of one a
+/// flush, every flush's `2 · end <= kp`, `x` holds `blocks` blocks of `16 · kp / 2`
+/// units, `acc` `2 · blocks · 8` rows of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn dots_all_avx512(
+    wide: &[i16],
+    scales: &[f32],
+    kp: usize,
+    sched: &[Flush],
+    x: &[u32],
+    blocks: usize,
+    acc: &mut [[f32; LANES]],
+) {
+    let nf = sched.len();
+    let pairs = kp / 2;
+    for (fi, fl) in sched.iter().enumerate() {
+        for m in 0..ROWS / MR {
+            let rows: [&[i16]; MR] =
+                std::array::from_fn(|r| &wide[(m * MR + r) * kp..(m * MR + r + 1) * kp]);
+            let sc: [f32; MR] = std::array::from_fn(|r| scales[(m * MR + r) * nf + fi]);
+            for k in 0..blocks {
+                let xb = &x[k * pairs * LANES..(k + 1) * pairs * LANES];
+                // SAFETY: the caller's guarantees, passed on
+                let sums = unsafe { block_sums(rows, xb, fl.start, fl.end) };
+                let dst = &mut acc[(m * blocks + k) * MR..(m * blocks + k + 1) * MR];
+                for r in 0..MR {
+                    let o = dst[r].as_mut_ptr();
+                    // SAFETY: 16 f32
+                    unsafe {
+                        let v = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(sums[r]),
+                            _mm512_set1_ps(sc[r]),
+                            _mm512_loadu_ps(o),
+                        );
+                        _mm512_storeu_ps(o, v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The whole product on the tiles: `yt` is `[rows, batch]`; `finish(v, r, b)` adds row
+/// `r`'s minimums' term for `x` row `b` and applies `x`'s step.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    kind: Kind,
+    fx: &FixedX,
+    batch: usize,
+    view: &RowsView<'_>,
+    rows: usize,
+    macs: usize,
+    yt: &mut [f32],
+    finish: &(impl Fn(f32, usize, usize) -> f32 + Sync),
+) {
+    let kp = fx.kp;
+    let sched = schedule(view, kp);
+    let lanes = kind.lanes();
+    let xp = XPanel::new(fx, batch, lanes);
+    super::run_tasks(
+        yt,
+        batch * ROWS,
+        macs,
+        || (Scratch::new(kp, sched.len()), Vec::new()),
+        |(s, acc), (task, out)| {
+            let first = task * ROWS;
+            let n = (out.len() / batch).min(rows.saturating_sub(first));
+            s.load(kind, view, &sched, first, n);
+            dots_all(kind, s, &sched, &xp, acc);
+            let blocks = batch.div_ceil(lanes);
+            for k in 0..n {
+                let (m, r) = (k / MR, k % MR);
+                for blk in 0..blocks {
+                    let Some(d) = acc.get((m * blocks + blk) * MR + r) else {
+                        continue;
+                    };
+                    for (l, &v) in d.iter().enumerate().take(lanes) {
+                        let b = blk * lanes + l;
+                        if let (true, Some(o)) = (b < batch, out.get_mut(k * batch + b)) {
+                            *o = finish(v, first + k, b);
+                        }
+                    }
+                }
+            }
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind of tile the CPU runs gives the bits of [`reference`], on rows with
+    /// several flushes and extreme codes and activations.
+    #[test]
+    fn simd_tiles_give_the_reference_bits() {
+        let Some(t2) = avx2::Token::detect() else {
+            eprintln!("skipped: simd_tiles_give_the_reference_bits (no AVX2)");
+            return;
+        };
+        let mut kinds = vec![Kind::Avx2(t2)];
+        match avx512::Token::detect() {
+            Some(t) => kinds.push(Kind::Avx512(t)),
+            None => eprintln!("skipped: the AVX-512 tiles (this CPU lacks AVX-512 VNNI)"),
+        }
+        let kp = 96;
+        let sched = [
+            Flush {
+                start: 0,
+                end: 16,
+                scale: 0,
+            },
+            Flush {
+                start: 16,
+                end: 40,
+                scale: 1,
+            },
+            Flush {
+                start: 40,
+                end: 48,
+                scale: 2,
+            },
+        ];
+        let mut s = Scratch::new(kp, sched.len());
+        let mut seed = 0x9e37_79b9_u32;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for c in &mut s.wide {
+            *c = match next() % 5 {
+                0 => 127,
+                1 => -127,
+                _ => i16::from((next() % 255) as u8 as i8),
+            };
+        }
+        for v in &mut s.scales {
+            *v = (next() % 1000) as f32 / 997.0 - 0.3;
+        }
+        let x: Vec<u32> = (0..kp / 2 * LANES)
+            .map(|_| {
+                let mut v = || match next() % 4 {
+                    0 => 8191i16,
+                    1 => -8191,
+                    _ => (next() % 16383) as i16 - 8191,
+                };
+                u32::from(v() as u16) | (u32::from(v() as u16) << 16)
+            })
+            .collect();
+        let bits = |v: [[f32; LANES]; MR]| -> Vec<u32> {
+            v.iter().flatten().map(|f| f.to_bits()).collect()
+        };
+        for kind in kinds {
+            let lanes = kind.lanes();
+            // two blocks of the x panel
+            let xp = XPanel {
+                lanes,
+                pairs: kp / 2,
+                data: x.iter().cycle().take(2 * kp / 2 * lanes).copied().collect(),
+            };
+            let mut acc = Vec::new();
+            dots_all(kind, &s, &sched, &xp, &mut acc);
+            for m in 0..ROWS / MR {
+                for k in 0..2 {
+                    let (wide, nf) = (&s.wide[m * MR * kp..(m + 1) * MR * kp], sched.len());
+                    let scales = &s.scales[m * MR * nf..(m + 1) * MR * nf];
+                    let want = reference(lanes, wide, scales, kp, &sched, xp.block(k));
+                    let got = &acc[(m * 2 + k) * MR..(m * 2 + k + 1) * MR];
+                    let got: [[f32; LANES]; MR] = got.try_into().unwrap();
+                    assert_eq!(bits(got), bits(want), "{kind:?}, rows {m}, block {k}");
+                }
+            }
+        }
+    }
+}
