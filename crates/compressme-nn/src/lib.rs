@@ -1,8 +1,9 @@
 //! candle layers whose weights are stored dense, packed or lossless-blocked, and the
 //! models built from them.
 //!
-//! - [`Linear`]: `x W^T + b` with `W` dense or in any `compressme-quant` format (packed
-//!   kernels for small batches, dequantized tiles and candle's kernel for large ones).
+//! - [`Linear`]: `x W^T + b` with `W` dense or in any `compressme-quant` format (the packed
+//!   kernels at every batch on the SIMD tiers, a chunk of rows a call; dequantized tiles
+//!   and candle's kernel for large batches where the kernels would be slower).
 //! - [`Embedding`]: a table dense, INT8 per row, or a [`PackedFrozenEmbedding`]: a frozen
 //!   table kept as independent, SHA-256-sealed, entropy-coded row blocks
 //!   ([`compressme_blockstore`]) whose lookups return exactly the original bytes.
@@ -58,7 +59,7 @@ pub use decoder::{Decoder, DecoderConfig, Family, KvCache, LanguageModel};
 pub use embedding::{PackOptions, PackedFrozenEmbedding, PackingReport};
 pub use error::{Error, Result};
 pub use hook::{HookGuard, Hooks, Observer};
-pub use linear::{DIRECT_MAX_ROWS, Linear, TILE_WEIGHTS, Weight};
+pub use linear::{DIRECT_MAX_ROWS, KERNEL_CHUNK_ROWS, Linear, TILE_WEIGHTS, Weight};
 pub use llama::{LlamaFormat, LlamaQuantized, candle_kernel_tier, llama_qtensor, llama_quantize};
 pub use load::{apply_artifact, write_artifact};
 pub use model::{Model, ModuleInfo, ModuleKind, ModuleMut, ModuleRef, Storage, StorageReport};

@@ -9,10 +9,16 @@ use compressme_quant::{Format, Packed};
 
 use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
-/// Rows of `x` up to which a packed layer runs the packed kernels directly; above it, the
-/// weight is dequantized tile by tile into a reused scratch buffer and multiplied with
-/// candle's dense kernel (measured on MiniLM's shapes: docs/BENCHMARKS.md).
+/// Rows of `x` up to which a packed layer always runs the packed kernels directly. Above
+/// it, the integer formats (and F16/BF16 on the AVX-512 tier) still run the packed kernels,
+/// [`KERNEL_CHUNK_ROWS`] rows a call, whose tiles for batches of 8 and more are faster than
+/// dense f32 on the SIMD tiers; the rest (F16/BF16 below AVX-512, every format on the
+/// portable tier) dequantize the weight tile by tile into a reused scratch buffer and
+/// multiply with candle's dense kernel (measured on MiniLM's shapes: docs/BENCHMARKS.md).
 pub const DIRECT_MAX_ROWS: usize = 32;
+/// Rows of `x` a call to the packed kernels takes above [`DIRECT_MAX_ROWS`]: bounds the
+/// kernels' temporaries (their transposed output and rounded input) whatever the batch.
+pub const KERNEL_CHUNK_ROWS: usize = 128;
 /// Weights a dequantized tile holds at most (4 MiB of f32): the bound on the scratch.
 pub const TILE_WEIGHTS: usize = 1 << 20;
 
@@ -341,10 +347,32 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
         let xv = x32.flatten_all()?.to_vec1::<f32>()?;
         let y = compressme_quant::matmul(&xv, n, p)?;
         Tensor::from_vec(y, out_shape, &Device::Cpu)?
+    } else if kernels_at_any_batch(p.format()) {
+        let xv = x32.flatten_all()?.to_vec1::<f32>()?;
+        let rows = p.rows();
+        let mut y = vec![0f32; n * rows];
+        for (xc, yc) in xv
+            .chunks(KERNEL_CHUNK_ROWS * cols)
+            .zip(y.chunks_mut(KERNEL_CHUNK_ROWS * rows))
+        {
+            yc.copy_from_slice(&compressme_quant::matmul(xc, xc.len() / cols, p)?);
+        }
+        Tensor::from_vec(y, out_shape, &Device::Cpu)?
     } else {
         tiled(&x32.reshape((n, cols))?, p)?.reshape(out_shape)?
     };
     Ok(y.to_dtype(x.dtype())?.to_device(x.device())?)
+}
+
+/// Whether the packed kernels beat dequantized tiles and candle's dense kernel at every
+/// batch for `format` on this process's kernel tier (see [`DIRECT_MAX_ROWS`]).
+fn kernels_at_any_batch(format: Format) -> bool {
+    use compressme_quant::Tier;
+    match compressme_quant::kernel_tier() {
+        Ok(Tier::Avx512Vnni) => true,
+        Ok(Tier::Avx2 | Tier::AvxVnni) => !matches!(format, Format::F16 | Format::Bf16),
+        _ => false,
+    }
 }
 
 /// Dequantizes `p` a tile of rows at a time into this thread's scratch (at most

@@ -2,7 +2,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use compressme_nn::{
-    DIRECT_MAX_ROWS, Embedding, Hooks, Linear, PackOptions, Storage, Table, Weight,
+    DIRECT_MAX_ROWS, Embedding, Hooks, KERNEL_CHUNK_ROWS, Linear, PackOptions, Storage, Table,
+    Weight,
 };
 use compressme_quant::synthetic::{MatrixKind, matrix};
 use compressme_quant::{Format, GroupSize, error_bound};
@@ -19,8 +20,9 @@ fn packed_linear(format: Format, out: usize, inp: usize) -> (Linear, Vec<f32>) {
     (l, deq)
 }
 
-/// Small batches (packed kernels) and large ones (dequantized tiles and candle's kernel)
-/// both compute `x W^T + b` for the dequantized `W`, for 2-D and 3-D inputs.
+/// Small batches (packed kernels) and large ones (packed kernels a chunk of rows at a time,
+/// or dequantized tiles and candle's kernel) all compute `x W^T + b` for the dequantized
+/// `W`, for 2-D and 3-D inputs.
 #[test]
 fn packed_linear_matches_its_dequantized_weights() {
     let (out, inp) = (70, 96);
@@ -35,7 +37,14 @@ fn packed_linear_matches_its_dequantized_weights() {
         let dev = Device::Cpu;
         let wt = Tensor::from_vec(deq.clone(), (out, inp), &dev).unwrap();
         let bias = l.bias().unwrap().clone();
-        for rows in [1usize, 3, DIRECT_MAX_ROWS, DIRECT_MAX_ROWS + 1, 100] {
+        for rows in [
+            1usize,
+            3,
+            DIRECT_MAX_ROWS,
+            DIRECT_MAX_ROWS + 1,
+            100,
+            2 * KERNEL_CHUNK_ROWS + 5,
+        ] {
             let xv = matrix(MatrixKind::Gaussian, rows, inp, rows as u64);
             let x = Tensor::from_vec(xv.clone(), (rows, inp), &dev).unwrap();
             let want = x

@@ -406,6 +406,18 @@ struct FixedX {
     d: Vec<f32>,
 }
 
+/// `q.round().clamp(-X_MAX, X_MAX) as i16` for a finite `q` (rounding half away from
+/// zero), without a call to the C library's `roundf`, so the loop vectorizes: `q` is at
+/// most a little past `X_MAX` in magnitude, so its truncation is exact in `i32`, and
+/// so is `q - trunc(q)` in f32 (two values less than 1 apart).
+#[inline]
+fn round_fixed(q: f32) -> i16 {
+    let t = q as i32;
+    let frac = q - t as f32;
+    let r = t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5);
+    r.clamp(-(X_MAX as i32), X_MAX as i32) as i16
+}
+
 /// Where value `j` of a row goes in nibble order.
 fn nibble_slot(j: usize) -> usize {
     let (block, i) = (j / NIBBLE_BLOCK, j % NIBBLE_BLOCK);
@@ -426,10 +438,20 @@ impl FixedX {
             let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             if absmax > 0.0 {
                 let inv = X_MAX / absmax;
-                let fixed = |v: f32| (v * inv).round().clamp(-X_MAX, X_MAX) as i16;
+                let fixed = |v: f32| round_fixed(v * inv);
                 if nibbles {
-                    for (j, &v) in row.iter().enumerate() {
-                        if let Some(o) = out.get_mut(nibble_slot(j)) {
+                    // each block of 32: the even positions, then the odd ones
+                    let blocks = row.chunks_exact(NIBBLE_BLOCK);
+                    let tail = blocks.remainder();
+                    for (block, o) in blocks.zip(out.chunks_exact_mut(NIBBLE_BLOCK)) {
+                        let (even, odd) = o.split_at_mut(NIBBLE_BLOCK / 2);
+                        for ((e, d), v) in even.iter_mut().zip(odd).zip(block.chunks_exact(2)) {
+                            (*e, *d) = (fixed(v[0]), fixed(v[1]));
+                        }
+                    }
+                    let done = row.len() - tail.len();
+                    for (j, &v) in tail.iter().enumerate() {
+                        if let Some(o) = out.get_mut(nibble_slot(done + j)) {
                             *o = fixed(v);
                         }
                     }
@@ -734,11 +756,14 @@ pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Res
         // [rows, 1] is already [1, rows]
         return Ok(yt);
     }
+    // 16 rows at a time, so each write fills a cache line of `y`
     let mut y = vec![0f32; batch * rows];
-    for (r, col) in yt.chunks_exact(batch).enumerate() {
-        for (b, &v) in col.iter().enumerate() {
-            if let Some(slot) = y.get_mut(b * rows + r) {
-                *slot = v;
+    for (i, cols) in yt.chunks(16 * batch).enumerate() {
+        let r0 = 16 * i;
+        for b in 0..batch {
+            let dst = y.get_mut(b * rows + r0..).unwrap_or(&mut []);
+            for (slot, col) in dst.iter_mut().zip(cols.chunks_exact(batch)) {
+                *slot = col.get(b).copied().unwrap_or(0.0);
             }
         }
     }
@@ -811,11 +836,12 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     if batch >= tiles::MIN_BATCH {
         let view = RowsView::new(w, fx.kp);
         if let (Some(kind), true) = (isa.tiles(), tiles::fits(&view, fx.kp)) {
-            let finish = |v: f32, r: usize, b: usize| {
-                with_mins(v, r, b) * fx.d.get(b).copied().unwrap_or(0.0)
-            };
             let macs = batch * w.rows() * cols;
-            tiles::run(kind, fx, batch, &view, w.rows(), macs, yt, &finish);
+            // INT4's minimums: the same term `with_mins` adds
+            let mins = |r: usize, b: usize| with_mins(0.0, r, b);
+            let mins: Option<&(dyn Fn(usize, usize) -> f32 + Sync)> =
+                if asym { Some(&mins) } else { None };
+            tiles::run(kind, fx, batch, &view, w.rows(), macs, yt, mins);
             return;
         }
     }
@@ -1083,6 +1109,32 @@ pub fn error_bound(x: &[f32], w: &[f32], nf4_scale: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rounding without `roundf` is `round`, then the clamp, on every value an
+    /// activation can reach, halves and the neighbours of halves included.
+    #[test]
+    fn round_fixed_is_round_then_clamp() {
+        let want = |q: f32| q.round().clamp(-X_MAX, X_MAX) as i16;
+        let mut q = -8200.0f32;
+        while q <= 8200.0 {
+            for v in [
+                q,
+                q + 0.5,
+                f32::from_bits((q + 0.5).to_bits() + 1),
+                f32::from_bits((q + 0.5).to_bits().wrapping_sub(1)),
+            ] {
+                assert_eq!(round_fixed(v), want(v), "{v}");
+                assert_eq!(round_fixed(-v), want(-v), "{}", -v);
+            }
+            q += 1.0;
+        }
+        for bits in (0..u32::MAX).step_by(9973) {
+            let v = f32::from_bits(bits);
+            if v.is_finite() && v.abs() <= 8200.0 {
+                assert_eq!(round_fixed(v), want(v), "{v}");
+            }
+        }
+    }
 
     #[test]
     fn nf4_i8_is_the_codebook_times_127_rounded() {

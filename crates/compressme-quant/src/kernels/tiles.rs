@@ -32,10 +32,12 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512i, _mm256_add_epi32, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_loadu_si256,
-    _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
-    _mm256_storeu_ps, _mm512_cvtepi32_ps, _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
+    __m512i, _mm_and_si128, _mm_loadu_si128, _mm_set1_epi8, _mm_shuffle_epi8, _mm_srli_epi16,
+    _mm256_add_epi32, _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
+    _mm256_loadu_si256, _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps,
+    _mm256_setzero_si256, _mm256_storeu_ps, _mm256_storeu_si256, _mm512_cvtepi32_ps,
+    _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32,
+    _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
 };
 
 use super::{FLUSH, FixedX, RowsView, avx2, avx512};
@@ -165,25 +167,83 @@ impl Scratch {
         for (k, row) in self.wide.chunks_exact_mut(kp.max(1)).enumerate().take(n) {
             let codes = view.codes_of(first + k);
             match view.lut {
-                Some(lut) => {
-                    self.codes.fill(0);
-                    super::Isa::Avx2(kind.avx2()).decode_nibbles(codes, lut, &mut self.codes);
-                    for (o, &c) in row.iter_mut().zip(&self.codes) {
-                        *o = i16::from(c);
-                    }
-                }
-                None => {
-                    let (head, tail) = row.split_at_mut(codes.len().min(kp));
-                    for (o, &c) in head.iter_mut().zip(codes) {
-                        *o = i16::from(c as i8);
-                    }
-                    tail.fill(0);
-                }
+                Some(lut) => widen_nibbles(kind.avx2(), codes, lut, row, &mut self.codes),
+                None => widen_bytes(kind.avx2(), codes, row),
             }
             let scales = view.scales_of(first + k);
             for (o, f) in self.scales[k * nf..(k + 1) * nf].iter_mut().zip(sched) {
                 *o = scales.get(f.scale);
             }
+        }
+    }
+}
+
+/// 4-bit codes through `lut`, widened to `i16`, into `row` in nibble order (for each
+/// run of 16 bytes, the 16 low nibbles, then the 16 high ones), zeros past the codes;
+/// `tmp` (at least as long as `row`) holds a short last run's table values.
+fn widen_nibbles(t: avx2::Token, codes: &[u8], lut: &[i8; 16], row: &mut [i16], tmp: &mut [i8]) {
+    let chunks = codes.len().min(row.len() / 2) / 16;
+    let _ = t;
+    // SAFETY: the token proves AVX2; the loop stays within `chunks` whole chunks of both.
+    unsafe { widen_nibbles_imp(codes, lut, row, chunks) };
+    let done = chunks * 16;
+    let rest = row.get_mut(2 * done..).unwrap_or(&mut []);
+    let tmp = tmp.get_mut(..rest.len()).unwrap_or(&mut []);
+    tmp.fill(0);
+    super::portable::decode_nibbles(codes.get(done..).unwrap_or(&[]), lut, tmp);
+    for (o, &c) in rest.iter_mut().zip(tmp.iter()) {
+        *o = i16::from(c);
+    }
+}
+
+/// # Safety
+/// AVX2 present; `codes.len() >= 16 · chunks`, `row.len() >= 32 · chunks`.
+#[target_feature(enable = "avx2")]
+unsafe fn widen_nibbles_imp(codes: &[u8], lut: &[i8; 16], row: &mut [i16], chunks: usize) {
+    // SAFETY: `lut` is 16 bytes
+    let table = unsafe { _mm_loadu_si128(lut.as_ptr().cast()) };
+    let low = _mm_set1_epi8(0x0f);
+    for i in 0..chunks {
+        // SAFETY: i < chunks: bytes 16i..16i + 16 of `codes` are in range
+        let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(16 * i).cast()) };
+        let lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(b, low)));
+        let hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+            table,
+            _mm_and_si128(_mm_srli_epi16::<4>(b), low),
+        ));
+        // SAFETY: i < chunks: values 32i..32i + 32 of `row` are in range
+        unsafe {
+            _mm256_storeu_si256(row.as_mut_ptr().add(32 * i).cast(), lo);
+            _mm256_storeu_si256(row.as_mut_ptr().add(32 * i + 16).cast(), hi);
+        }
+    }
+}
+
+/// 8-bit codes widened to `i16` into `row`, zeros past the codes.
+fn widen_bytes(t: avx2::Token, codes: &[u8], row: &mut [i16]) {
+    let chunks = codes.len().min(row.len()) / 16;
+    let _ = t;
+    // SAFETY: the token proves AVX2; the loop stays within `chunks` whole chunks of both.
+    unsafe { widen_bytes_imp(codes, row, chunks) };
+    let done = chunks * 16;
+    let rest = row.get_mut(done..).unwrap_or(&mut []);
+    let tail = codes.get(done..).unwrap_or(&[]);
+    let (head, zeros) = rest.split_at_mut(tail.len().min(rest.len()));
+    for (o, &c) in head.iter_mut().zip(tail) {
+        *o = i16::from(c as i8);
+    }
+    zeros.fill(0);
+}
+
+/// # Safety
+/// AVX2 present; `codes.len() >= 16 · chunks`, `row.len() >= 16 · chunks`.
+#[target_feature(enable = "avx2")]
+unsafe fn widen_bytes_imp(codes: &[u8], row: &mut [i16], chunks: usize) {
+    for i in 0..chunks {
+        // SAFETY: i < chunks: 16 bytes of `codes` and 16 values of `row` from 16i
+        unsafe {
+            let b = _mm_loadu_si128(codes.as_ptr().add(16 * i).cast());
+            _mm256_storeu_si256(row.as_mut_ptr().add(16 * i).cast(), _mm256_cvtepi8_epi16(b));
         }
     }
 }
@@ -388,8 +448,9 @@ unsafe fn dots_all_avx512(
     }
 }
 
-/// The whole product on the tiles: `yt` is `[rows, batch]`; `finish(v, r, b)` adds row
-/// `r`'s minimums' term for `x` row `b` and applies `x`'s step.
+/// The whole product on the tiles: `yt` is `[rows, batch]`. Each output is its row's
+/// scaled sum plus, when `mins` is given (`Int4Block`), `mins(r, b)` (the minimums' term
+/// for weight row `r` and `x` row `b`), times `x`'s step.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     kind: Kind,
@@ -399,12 +460,13 @@ pub(super) fn run(
     rows: usize,
     macs: usize,
     yt: &mut [f32],
-    finish: &(impl Fn(f32, usize, usize) -> f32 + Sync),
+    mins: Option<&(dyn Fn(usize, usize) -> f32 + Sync)>,
 ) {
     let kp = fx.kp;
     let sched = schedule(view, kp);
     let lanes = kind.lanes();
     let xp = XPanel::new(fx, batch, lanes);
+    let blocks = batch.div_ceil(lanes);
     super::run_tasks(
         yt,
         batch * ROWS,
@@ -415,17 +477,26 @@ pub(super) fn run(
             let n = (out.len() / batch).min(rows.saturating_sub(first));
             s.load(kind, view, &sched, first, n);
             dots_all(kind, s, &sched, &xp, acc);
-            let blocks = batch.div_ceil(lanes);
-            for k in 0..n {
+            for (k, yr) in out.chunks_exact_mut(batch).enumerate().take(n) {
                 let (m, r) = (k / MR, k % MR);
                 for blk in 0..blocks {
-                    let Some(d) = acc.get((m * blocks + blk) * MR + r) else {
+                    let at = (m * blocks + blk) * MR + r;
+                    let (Some(dr), Some(ys)) = (acc.get(at), yr.get_mut(blk * lanes..)) else {
                         continue;
                     };
-                    for (l, &v) in d.iter().enumerate().take(lanes) {
-                        let b = blk * lanes + l;
-                        if let (true, Some(o)) = (b < batch, out.get_mut(k * batch + b)) {
-                            *o = finish(v, first + k, b);
+                    let ds = fx.d.get(blk * lanes..).unwrap_or(&[]);
+                    match mins {
+                        None => {
+                            for ((o, &v), &d) in ys.iter_mut().zip(dr.iter().take(lanes)).zip(ds) {
+                                *o = v * d;
+                            }
+                        }
+                        Some(f) => {
+                            for (l, ((o, &v), &d)) in
+                                ys.iter_mut().zip(dr.iter().take(lanes)).zip(ds).enumerate()
+                            {
+                                *o = (v + f(first + k, blk * lanes + l)) * d;
+                            }
                         }
                     }
                 }
