@@ -59,7 +59,9 @@ pub use decoder::{Decoder, DecoderConfig, Family, KvCache, LanguageModel};
 pub use embedding::{PackOptions, PackedFrozenEmbedding, PackingReport};
 pub use error::{Error, Result};
 pub use hook::{HookGuard, Hooks, Observer};
-pub use linear::{DIRECT_MAX_ROWS, KERNEL_CHUNK_ROWS, Linear, TILE_WEIGHTS, Weight};
+pub use linear::{
+    DIRECT_MAX_ROWS, KERNEL_CHUNK_ROWS, KERNEL_MIN_WEIGHTS, Linear, TILE_WEIGHTS, Weight,
+};
 pub use llama::{LlamaFormat, LlamaQuantized, candle_kernel_tier, llama_qtensor, llama_quantize};
 pub use load::{apply_artifact, write_artifact};
 pub use model::{Model, ModuleInfo, ModuleKind, ModuleMut, ModuleRef, Storage, StorageReport};

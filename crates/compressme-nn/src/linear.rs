@@ -10,7 +10,8 @@ use compressme_quant::{Format, Packed};
 use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
 /// Rows of `x` up to which a packed layer always runs the packed kernels directly. Above
-/// it, the integer formats (and F16/BF16 on the AVX-512 tier) still run the packed kernels,
+/// it, layers of at least [`KERNEL_MIN_WEIGHTS`] weights in the integer formats (and in
+/// F16/BF16 on the AVX-512 tier) still run the packed kernels,
 /// [`KERNEL_CHUNK_ROWS`] rows a call, whose tiles for batches of 8 and more are faster than
 /// dense f32 on the SIMD tiers; the rest (F16/BF16 below AVX-512, every format on the
 /// portable tier) dequantize the weight tile by tile into a reused scratch buffer and
@@ -19,6 +20,11 @@ pub const DIRECT_MAX_ROWS: usize = 32;
 /// Rows of `x` a call to the packed kernels takes above [`DIRECT_MAX_ROWS`]: bounds the
 /// kernels' temporaries (their transposed output and rounded input) whatever the batch.
 pub const KERNEL_CHUNK_ROWS: usize = 128;
+/// Weights below which a layer keeps the dequantized tiles above [`DIRECT_MAX_ROWS`] rows:
+/// on a 128 x 128 layer (the offline benchmark's model) the kernels' setup a call made a
+/// forward pass of 1,152 rows 1.2x slower than the tiles; from MiniLM's 384 x 384 up they
+/// were level or ahead (docs/BENCHMARKS.md).
+pub const KERNEL_MIN_WEIGHTS: usize = 1 << 16;
 /// Weights a dequantized tile holds at most (4 MiB of f32): the bound on the scratch.
 pub const TILE_WEIGHTS: usize = 1 << 20;
 
@@ -347,7 +353,7 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
         let xv = x32.flatten_all()?.to_vec1::<f32>()?;
         let y = compressme_quant::matmul(&xv, n, p)?;
         Tensor::from_vec(y, out_shape, &Device::Cpu)?
-    } else if kernels_at_any_batch(p.format()) {
+    } else if p.rows() * cols >= KERNEL_MIN_WEIGHTS && kernels_at_any_batch(p.format()) {
         let xv = x32.flatten_all()?.to_vec1::<f32>()?;
         let rows = p.rows();
         let mut y = vec![0f32; n * rows];

@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use compressme_nn::{
-    DIRECT_MAX_ROWS, Embedding, Hooks, KERNEL_CHUNK_ROWS, Linear, PackOptions, Storage, Table,
-    Weight,
+    DIRECT_MAX_ROWS, Embedding, Hooks, KERNEL_CHUNK_ROWS, KERNEL_MIN_WEIGHTS, Linear, PackOptions,
+    Storage, Table, Weight,
 };
 use compressme_quant::synthetic::{MatrixKind, matrix};
 use compressme_quant::{Format, GroupSize, error_bound};
@@ -25,14 +25,19 @@ fn packed_linear(format: Format, out: usize, inp: usize) -> (Linear, Vec<f32>) {
 /// `W`, for 2-D and 3-D inputs.
 #[test]
 fn packed_linear_matches_its_dequantized_weights() {
-    let (out, inp) = (70, 96);
-    for format in [
+    // a layer below KERNEL_MIN_WEIGHTS (dequantized tiles above DIRECT_MAX_ROWS rows) and
+    // one above it (the kernels, a chunk of rows a call)
+    const { assert!(70 * 96 < KERNEL_MIN_WEIGHTS && 300 * 256 >= KERNEL_MIN_WEIGHTS) };
+    for (format, (out, inp)) in [
         Format::Int8,
         Format::Nf4,
         Format::Nf4Block(GroupSize::G32),
         Format::Int4Block(GroupSize::G64),
         Format::F16,
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|f| [(f, (70, 96)), (f, (300, 256))])
+    {
         let (l, deq) = packed_linear(format, out, inp);
         let dev = Device::Cpu;
         let wt = Tensor::from_vec(deq.clone(), (out, inp), &dev).unwrap();

@@ -1136,6 +1136,34 @@ mod tests {
         }
     }
 
+    /// `FixedX` rows are each value times `8191 / absmax`, rounded half away from zero,
+    /// in nibble order for the 4-bit formats.
+    #[test]
+    fn fixed_x_is_the_rounded_row_in_its_order() {
+        let cols = 100;
+        let x: Vec<f32> = (0..3 * cols)
+            .map(|i| {
+                ((i * 7919 % 1013) as f32 - 506.5) * 0.37 + if i % 17 == 0 { 0.5 } else { 0.0 }
+            })
+            .collect();
+        for nibbles in [false, true] {
+            let fx = FixedX::new(&x, 3, cols, nibbles).unwrap();
+            for (b, row) in x.chunks_exact(cols).enumerate() {
+                let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let inv = X_MAX / absmax;
+                for (j, &v) in row.iter().enumerate() {
+                    let slot = if nibbles { nibble_slot(j) } else { j };
+                    let want = (v * inv).round().clamp(-X_MAX, X_MAX) as i16;
+                    assert_eq!(
+                        fx.row(b)[slot],
+                        want,
+                        "row {b}, column {j}, nibbles {nibbles}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn nf4_i8_is_the_codebook_times_127_rounded() {
         for (&c, &q) in crate::NF4_CODEBOOK.iter().zip(&NF4_I8) {
