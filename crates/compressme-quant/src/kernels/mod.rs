@@ -95,7 +95,8 @@ pub enum Tier {
     /// groups of 64 or more, a pair of runs a step as bytes against the activations split
     /// into high and low bytes; 8-bit codes at batch 2 and up with no separate add.
     /// Everything else (8-bit codes at batch 1 among it, where `vpdpwssd` measured no
-    /// faster) runs the AVX2 tier's code.
+    /// faster) runs the AVX2 tier's code. Batches of 8 and more run the tiles with the
+    /// 256-bit `vpdpwssd`.
     AvxVnni,
     /// AVX-512 F/BW/VL and AVX-512 VNNI on top of the AVX2 tier: 4-bit codes at batch
     /// 1, in groups of 64, of whole 128s or per row, as bytes against the activations
@@ -237,7 +238,7 @@ impl Isa {
     fn tiles(self) -> Option<tiles::Kind> {
         match self {
             Self::Avx2(t) => Some(tiles::Kind::Avx2(t)),
-            Self::AvxVnni(t) => Some(tiles::Kind::Avx2(t.avx2())),
+            Self::AvxVnni(t) => Some(tiles::Kind::AvxVnni(t)),
             Self::Avx512(t) => Some(tiles::Kind::Avx512(t)),
             Self::Portable => None,
         }

@@ -5,8 +5,8 @@
 //! `p · lanes + l` holds row `l`'s pair of values `2p, 2p + 1`. Each weight row is widened
 //! to `i16` once (4-bit codes through their table first); a pair of its codes, broadcast,
 //! meets the panel's vector of the same pair, one instruction for 16 (or 8) rows of `x`:
-//! `vpdpwssd` on the AVX-512 tier, `vpmaddwd` and an add on the AVX2 tier (the AVX-VNNI
-//! tier runs the AVX2 code). Eight weight rows share each load of the panel. A group's sum
+//! `vpdpwssd` on the AVX-512 tier (512-bit) and the AVX-VNNI tier (256-bit), `vpmaddwd`
+//! and an add on the AVX2 tier. Eight weight rows share each load of the panel. A group's sum
 //! for a row of `x` is one lane, so its flush is one convert and one fused multiply-add
 //! for all the lanes: the per-group work that bounds the one-row-at-a-time kernels (eight
 //! class sums to flush for each row and group) is gone.
@@ -33,14 +33,14 @@
 
 use std::arch::x86_64::{
     __m512i, _mm_and_si128, _mm_loadu_si128, _mm_set1_epi8, _mm_shuffle_epi8, _mm_srli_epi16,
-    _mm256_add_epi32, _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
-    _mm256_loadu_si256, _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps,
-    _mm256_setzero_si256, _mm256_storeu_ps, _mm256_storeu_si256, _mm512_cvtepi32_ps,
-    _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32,
-    _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
+    _mm256_add_epi32, _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps, _mm256_dpwssd_avx_epi32,
+    _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps,
+    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps, _mm256_storeu_si256,
+    _mm512_cvtepi32_ps, _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
 };
 
-use super::{FLUSH, FixedX, RowsView, avx2, avx512};
+use super::{FLUSH, FixedX, RowsView, avx2, avx512, avxvnni};
 
 /// The smallest batch that runs here.
 pub(super) const MIN_BATCH: usize = 8;
@@ -55,6 +55,7 @@ const LANES: usize = 16;
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Kind {
     Avx2(avx2::Token),
+    AvxVnni(avxvnni::Token),
     Avx512(avx512::Token),
 }
 
@@ -62,7 +63,7 @@ impl Kind {
     /// Rows of `x` a vector holds.
     fn lanes(self) -> usize {
         match self {
-            Self::Avx2(_) => 8,
+            Self::Avx2(_) | Self::AvxVnni(_) => 8,
             Self::Avx512(_) => 16,
         }
     }
@@ -70,6 +71,7 @@ impl Kind {
     fn avx2(self) -> avx2::Token {
         match self {
             Self::Avx2(t) => t,
+            Self::AvxVnni(t) => t.avx2(),
             Self::Avx512(t) => t.avx2(),
         }
     }
@@ -268,6 +270,11 @@ fn dots(kind: Kind, s: &Scratch, m: usize, sched: &[Flush], x: &[u32]) -> [[f32;
             // SAFETY: the token proves the features; `ok` checked every range the loads read.
             unsafe { dots_avx2(wide, scales, kp, sched, x) }
         }
+        Kind::AvxVnni(t) => {
+            let _ = t;
+            // SAFETY: the token proves the features; `ok` checked every range the loads read.
+            unsafe { dots_avxvnni(wide, scales, kp, sched, x) }
+        }
         // the AVX-512 tiles run in `dots_all`; here only when its checks failed
         Kind::Avx512(_) => reference(kind.lanes(), wide, scales, kp, sched, x),
     }
@@ -314,43 +321,59 @@ unsafe fn pair_of(w: &[i16], p: usize) -> i32 {
     unsafe { w.as_ptr().add(2 * p).cast::<i32>().read_unaligned() }
 }
 
-/// # Safety
-/// AVX2 and FMA present; `wide` is 8 rows of `kp`, `scales` 8 rows of one a flush, every
-/// flush's `2 · end <= kp`, `x` holds `8 · kp / 2` units.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_avx2(
-    wide: &[i16],
-    scales: &[f32],
-    kp: usize,
-    sched: &[Flush],
-    x: &[u32],
-) -> [[f32; LANES]; MR] {
-    let nf = sched.len();
-    let rows: [&[i16]; MR] = std::array::from_fn(|r| &wide[r * kp..(r + 1) * kp]);
-    let mut f = [_mm256_setzero_ps(); MR];
-    for (fi, fl) in sched.iter().enumerate() {
-        let mut acc = [_mm256_setzero_si256(); MR];
-        for p in fl.start..fl.end {
-            // SAFETY: p < end <= kp / 2: eight units from 8p are in `x` (caller)
-            let xv = unsafe { _mm256_loadu_si256(x.as_ptr().add(8 * p).cast()) };
-            for r in 0..MR {
-                // SAFETY: 2p + 2 <= kp (caller)
-                let wv = _mm256_set1_epi32(unsafe { pair_of(rows[r], p) });
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(xv, wv));
+/// A 256-bit tile kernel: `$name`, with `$features`, adding `$step(acc, xv, wv)` (the
+/// exact products of a pair of eight `x` rows by a broadcast pair of codes) into each
+/// row's `i32` lanes; the AVX2 tier's step (`vpmaddwd` and an add) and the AVX-VNNI
+/// tier's (`vpdpwssd`) compute the same sums, so the two kernels give the same bits.
+macro_rules! tile_kernel_256 {
+    ($name:ident, $features:literal, $step:expr) => {
+        /// # Safety
+        /// The features present; `wide` is 8 rows of `kp`, `scales` 8 rows of one a
+        /// flush, every flush's `2 · end <= kp`, `x` holds `8 · kp / 2` units.
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            wide: &[i16],
+            scales: &[f32],
+            kp: usize,
+            sched: &[Flush],
+            x: &[u32],
+        ) -> [[f32; LANES]; MR] {
+            let nf = sched.len();
+            let rows: [&[i16]; MR] = std::array::from_fn(|r| &wide[r * kp..(r + 1) * kp]);
+            let mut f = [_mm256_setzero_ps(); MR];
+            for (fi, fl) in sched.iter().enumerate() {
+                let mut acc = [_mm256_setzero_si256(); MR];
+                for p in fl.start..fl.end {
+                    // SAFETY: p < end <= kp / 2: eight units from 8p are in `x` (caller)
+                    let xv = unsafe { _mm256_loadu_si256(x.as_ptr().add(8 * p).cast()) };
+                    for r in 0..MR {
+                        // SAFETY: 2p + 2 <= kp (caller)
+                        let wv = _mm256_set1_epi32(unsafe { pair_of(rows[r], p) });
+                        acc[r] = $step(acc[r], xv, wv);
+                    }
+                }
+                for r in 0..MR {
+                    let s = _mm256_set1_ps(scales[r * nf + fi]);
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, f[r]);
+                }
             }
+            let mut out = [[0f32; LANES]; MR];
+            for (o, v) in out.iter_mut().zip(f) {
+                // SAFETY: 8 of the row's 16 f32
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+            }
+            out
         }
-        for r in 0..MR {
-            let s = _mm256_set1_ps(scales[r * nf + fi]);
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, f[r]);
-        }
-    }
-    let mut out = [[0f32; LANES]; MR];
-    for (o, v) in out.iter_mut().zip(f) {
-        // SAFETY: 8 of the row's 16 f32
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
-    }
-    out
+    };
 }
+
+tile_kernel_256!(dots_avx2, "avx2,fma", |a, x, w| _mm256_add_epi32(
+    a,
+    _mm256_madd_epi16(x, w)
+));
+tile_kernel_256!(dots_avxvnni, "avx2,fma,avxvnni", |a, x, w| {
+    _mm256_dpwssd_avx_epi32(a, x, w)
+});
 
 /// Every weight row of the scratch against every block of the `x` panel, group by group
 /// (so a group's part of the panel and of the rows stays in the first-level cache while
@@ -518,6 +541,10 @@ mod tests {
             return;
         };
         let mut kinds = vec![Kind::Avx2(t2)];
+        match avxvnni::Token::detect() {
+            Some(t) => kinds.push(Kind::AvxVnni(t)),
+            None => eprintln!("skipped: the AVX-VNNI tiles (this CPU lacks AVX-VNNI)"),
+        }
         match avx512::Token::detect() {
             Some(t) => kinds.push(Kind::Avx512(t)),
             None => eprintln!("skipped: the AVX-512 tiles (this CPU lacks AVX-512 VNNI)"),
