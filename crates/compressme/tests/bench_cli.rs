@@ -8,7 +8,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{root, run};
+use common::{Scratch, root, run};
 
 /// A tampered report fails its replay, naming the field; the replay's artifacts then
 /// evaluate from the command line (perplexity, KL against the FP32 artifact).
@@ -137,13 +137,13 @@ fn real_decoder_the_real_model_ci_report_replays() {
         );
         return;
     }
-    let work = std::env::temp_dir().join(format!("cm-real-ci-{}", std::process::id()));
-    drop(std::fs::remove_dir_all(&work));
+    // about 1.5 GB of variant files: removed even when the test fails
+    let work = Scratch::removed_always("cm-real-ci");
     // the report's paths (model, texts) are relative to the repository root
     let out = Command::new(env!("CARGO_BIN_EXE_compressme"))
         .current_dir(root())
         .args(["bench", "--replay", "results/real-ci.json", "--work-dir"])
-        .arg(&work)
+        .arg(&*work)
         .output()
         .unwrap();
     let (stdout, stderr) = (
@@ -161,5 +161,4 @@ fn real_decoder_the_real_model_ci_report_replays() {
         assert_eq!(t["threads"], 1);
         assert_eq!(t["timing"]["units"][0], 4, "{}", v["name"]);
     }
-    std::fs::remove_dir_all(&work).unwrap();
 }

@@ -8,32 +8,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{root, run};
-
-/// One test's folder under the system's temporary folder: removed when the test passes,
-/// kept when it fails (for a look).
-struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            drop(std::fs::remove_dir_all(&self.0));
-        }
-    }
-}
+use common::{Scratch, root, run};
 
 fn tmp(name: &str) -> Scratch {
-    let d = std::env::temp_dir().join(format!("cm-dec-{}-{name}", std::process::id()));
-    drop(std::fs::remove_dir_all(&d));
-    std::fs::create_dir_all(&d).unwrap();
-    Scratch(d)
+    Scratch::new(&format!("cm-dec-{name}"))
 }
 
 fn tiny(name: &str) -> String {
