@@ -361,7 +361,7 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
             .chunks(KERNEL_CHUNK_ROWS * cols)
             .zip(y.chunks_mut(KERNEL_CHUNK_ROWS * rows))
         {
-            yc.copy_from_slice(&compressme_quant::matmul(xc, xc.len() / cols, p)?);
+            compressme_quant::matmul_into(xc, xc.len() / cols, p, yc)?;
         }
         Tensor::from_vec(y, out_shape, &Device::Cpu)?
     } else {

@@ -43,7 +43,10 @@ pub mod synthetic;
 pub use format::{
     Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_weighted,
 };
-pub use kernels::{Backend, NF4_I8, Tier, error_bound, kernel_tier, matmul, matmul_with};
+pub use kernels::{
+    Backend, NF4_I8, Tier, error_bound, kernel_tier, matmul, matmul_into, matmul_into_with,
+    matmul_with,
+};
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

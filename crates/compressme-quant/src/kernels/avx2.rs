@@ -569,21 +569,28 @@ pub(super) fn decode_nibbles(t: Token, codes: &[u8], lut: &[i8; 16], out: &mut [
 unsafe fn decode_nibbles_imp(codes: &[u8], lut: &[i8; 16], out: &mut [i8], chunks: usize) {
     // SAFETY: `lut` is 16 bytes
     let table = unsafe { _mm_loadu_si128(lut.as_ptr().cast()) };
-    let low = _mm_set1_epi8(0x0f);
     for i in 0..chunks {
         // SAFETY: i < chunks: bytes 16i..16i+16 of `codes` are in range
         let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(16 * i).cast()) };
-        let lo = _mm_and_si128(b, low);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), low);
-        // nibble order: the low nibbles, then the high ones
-        let first = _mm_shuffle_epi8(table, lo);
-        let second = _mm_shuffle_epi8(table, hi);
+        let (first, second) = lookup_nibbles(table, b);
         // SAFETY: i < chunks: outputs 32i..32i+32 are in range
         unsafe {
             _mm_storeu_si128(out.as_mut_ptr().add(32 * i).cast(), first);
             _mm_storeu_si128(out.as_mut_ptr().add(32 * i + 16).cast(), second);
         }
     }
+}
+
+/// `table`'s bytes for the low nibbles of 16 code bytes, then for their high nibbles (the
+/// nibble order: a chunk's first 16 codes sit in the low nibbles).
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn lookup_nibbles(table: __m128i, b: __m128i) -> (__m128i, __m128i) {
+    let low = _mm_set1_epi8(0x0f);
+    (
+        _mm_shuffle_epi8(table, _mm_and_si128(b, low)),
+        _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(b), low)),
+    )
 }
 
 pub(super) fn dot_half<const N: usize>(

@@ -735,30 +735,66 @@ pub fn matmul(x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
 /// backend names a tier this CPU lacks (or `COMPRESSME_KERNEL` does, for
 /// [`Backend::Auto`]).
 pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Result<Vec<f32>> {
+    check_input(x, batch, w.cols())?;
+    let mut y = vec![0f32; batch * w.rows()];
+    matmul_into_with(backend, x, batch, w, &mut y)?;
+    Ok(y)
+}
+
+/// [`matmul`] into `y` (`batch * rows` long, row-major `[batch, rows]`), which it
+/// overwrites: the same bits, without allocating the output (a caller that runs a large
+/// batch in chunks writes each chunk's rows in place).
+///
+/// # Errors
+/// [`Error::Shape`] when `x` is not `batch * cols` long or `y` not `batch * rows`;
+/// [`Error::Kernel`] as for [`matmul_with`].
+pub fn matmul_into(x: &[f32], batch: usize, w: &Packed, y: &mut [f32]) -> Result<()> {
+    matmul_into_with(Backend::Auto, x, batch, w, y)
+}
+
+/// [`matmul_into`] on a chosen [`Backend`].
+///
+/// # Errors
+/// As for [`matmul_into`].
+pub fn matmul_into_with(
+    backend: Backend,
+    x: &[f32],
+    batch: usize,
+    w: &Packed,
+    y: &mut [f32],
+) -> Result<()> {
     let (rows, cols) = (w.rows(), w.cols());
     check_input(x, batch, cols)?;
+    if Some(y.len()) != batch.checked_mul(rows) {
+        return Err(Error::Shape(format!(
+            "the output holds {} values, not {batch} x {rows}",
+            y.len()
+        )));
+    }
     let isa = Isa::pick(backend)?;
-    // [rows, batch] first: each task owns whole output rows
-    let mut yt = vec![0f32; rows * batch];
     if batch == 0 {
-        return Ok(yt);
+        return Ok(());
     }
     let nibbles = w.format().code_bits() == 4;
     let fixed = match w.format() {
         Format::F16 | Format::Bf16 => None,
         _ => FixedX::new(x, batch, cols, nibbles),
     };
-    match (w.format(), fixed) {
-        (Format::F16 | Format::Bf16, _) => half_rows(isa, x, batch, w, &mut yt),
-        (_, Some(fx)) => int_rows(isa, &fx, batch, w, &mut yt),
-        (_, None) => f32_rows(x, batch, w, &mut yt),
-    }
+    let rows_of = |yt: &mut [f32]| match (w.format(), fixed) {
+        (Format::F16 | Format::Bf16, _) => half_rows(isa, x, batch, w, yt),
+        (_, Some(fx)) => int_rows(isa, &fx, batch, w, yt),
+        (_, None) => f32_rows(x, batch, w, yt),
+    };
     if batch == 1 {
         // [rows, 1] is already [1, rows]
-        return Ok(yt);
+        y.fill(0.0);
+        rows_of(y);
+        return Ok(());
     }
+    // [rows, batch] first: each task owns whole output rows
+    let mut yt = vec![0f32; rows * batch];
+    rows_of(&mut yt);
     // 16 rows at a time, so each write fills a cache line of `y`
-    let mut y = vec![0f32; batch * rows];
     for (i, cols) in yt.chunks(16 * batch).enumerate() {
         let r0 = 16 * i;
         for b in 0..batch {
@@ -768,7 +804,7 @@ pub fn matmul_with(backend: Backend, x: &[f32], batch: usize, w: &Packed) -> Res
             }
         }
     }
-    Ok(y)
+    Ok(())
 }
 
 /// Calls `f(first, rows, n)` for the batch four rows at a time; `rows` past `n` are empty.

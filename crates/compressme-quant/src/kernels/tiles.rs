@@ -32,12 +32,11 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512i, _mm_and_si128, _mm_loadu_si128, _mm_set1_epi8, _mm_shuffle_epi8, _mm_srli_epi16,
-    _mm256_add_epi32, _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps, _mm256_dpwssd_avx_epi32,
-    _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps,
-    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps, _mm256_storeu_si256,
-    _mm512_cvtepi32_ps, _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
+    __m512i, _mm_loadu_si128, _mm256_add_epi32, _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps,
+    _mm256_dpwssd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16,
+    _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps,
+    _mm256_storeu_si256, _mm512_cvtepi32_ps, _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
+    _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
 };
 
 use super::{FLUSH, FixedX, RowsView, avx2, avx512, avxvnni};
@@ -204,15 +203,11 @@ fn widen_nibbles(t: avx2::Token, codes: &[u8], lut: &[i8; 16], row: &mut [i16], 
 unsafe fn widen_nibbles_imp(codes: &[u8], lut: &[i8; 16], row: &mut [i16], chunks: usize) {
     // SAFETY: `lut` is 16 bytes
     let table = unsafe { _mm_loadu_si128(lut.as_ptr().cast()) };
-    let low = _mm_set1_epi8(0x0f);
     for i in 0..chunks {
         // SAFETY: i < chunks: bytes 16i..16i + 16 of `codes` are in range
         let b = unsafe { _mm_loadu_si128(codes.as_ptr().add(16 * i).cast()) };
-        let lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(b, low)));
-        let hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-            table,
-            _mm_and_si128(_mm_srli_epi16::<4>(b), low),
-        ));
+        let (lo, hi) = avx2::lookup_nibbles(table, b);
+        let (lo, hi) = (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi));
         // SAFETY: i < chunks: values 32i..32i + 32 of `row` are in range
         unsafe {
             _mm256_storeu_si256(row.as_mut_ptr().add(32 * i).cast(), lo);

@@ -1,8 +1,8 @@
 //! Exact properties, the fast kernel against the scalar reference, and bad input.
 
 use compressme_quant::{
-    Backend, Error, Format, GroupSize, Packed, Tier, error_bound, matmul, matmul_with, quantize,
-    reference,
+    Backend, Error, Format, GroupSize, Packed, Tier, error_bound, matmul, matmul_into, matmul_with,
+    quantize, reference,
 };
 use proptest::prelude::*;
 
@@ -309,6 +309,10 @@ fn bad_input_is_an_error() {
         Err(Error::RowOutOfRange { id: 2, rows: 2 })
     ));
     assert!(matches!(matmul(&[1.0; 3], 1, &q), Err(Error::Shape(_))));
+    let mut y = [7.0f32; 3];
+    let short = matmul_into(&[1.0; 4], 1, &q, &mut y);
+    assert!(matches!(short, Err(Error::Shape(m)) if m.contains("3 values")));
+    assert_eq!(y, [7.0; 3], "a refused call leaves the output alone");
     assert!(matches!(
         Packed::from_parts(Format::Int8, 2, 4, vec![0; 8], vec![1.0], vec![]),
         Err(Error::Malformed(_))
@@ -317,6 +321,26 @@ fn bad_input_is_an_error() {
         Packed::from_parts(Format::Int8, 2, 4, vec![0; 8], vec![1.0, f32::NAN], vec![]),
         Err(Error::Malformed(_))
     ));
+}
+
+/// `matmul_into` overwrites whatever the output held with `matmul`'s bits, at batch 1 (the
+/// rows written in place), in the small batches and on tiles.
+#[test]
+fn matmul_into_writes_the_bits_of_matmul() {
+    let (rows, cols) = (40, 96);
+    let w = matrix("gaussian", rows, cols, 11);
+    let mut rng = Rng::new(5);
+    for format in all_formats() {
+        let q = quantize(&w, rows, cols, format).unwrap();
+        for batch in [1, 5, 17] {
+            let x: Vec<f32> = (0..batch * cols).map(|_| rng.normal() as f32).collect();
+            let want = matmul(&x, batch, &q).unwrap();
+            let mut y = vec![f32::NAN; batch * rows];
+            matmul_into(&x, batch, &q, &mut y).unwrap();
+            let same = want.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{format} batch {batch}");
+        }
+    }
 }
 
 #[test]
