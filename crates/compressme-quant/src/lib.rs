@@ -12,8 +12,9 @@
 //! activations rounded to 14 bits), never holding `W` in f32, on all cores, on the fastest
 //! [`Tier`] the CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL`
 //! forces one, see [`kernel_tier`]), every SIMD tier giving the same bits (batches of 8 or
-//! more run on tiles, one `x` row a vector lane); [`reference::matmul`] is the exact
-//! definition it is held to, within [`error_bound`].
+//! more run on tiles, one `x` row a vector lane), and [`matmul_into`] writes the same bits
+//! into a caller's slice; [`reference::matmul`] is the exact definition they are held to,
+//! within [`error_bound`].
 //!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
 //! benches put llama.cpp's formats beside these), and not a file format (the artifact
