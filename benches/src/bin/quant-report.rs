@@ -21,6 +21,11 @@
 //! weights' stored size, measured in the same rounds (a sum over it, best of the same
 //! repetitions), so it is cached or not exactly as the weights are. The CPU's features and
 //! candle's kernel path are printed above the table.
+//!
+//! The integer formats run a second time at batch 32 with 8-bit activations
+//! (`Activations::Block8`, rows marked `x8`; `--activations 14` leaves them out, `8` keeps
+//! only them beside the half formats); batch 1 always runs 14-bit activations, so those
+//! rows leave it blank.
 
 use std::time::{Duration, Instant};
 
@@ -29,7 +34,9 @@ use candle_core::{Device, Module, Tensor};
 use compressme_benches::cpu_features;
 use compressme_nn::{LlamaFormat, candle_kernel_tier, llama_quantize};
 use compressme_quant::synthetic::{MatrixKind, matrix, rel_rmse};
-use compressme_quant::{Backend, Format, GroupSize, Packed, Tier, matmul_with, quantize};
+use compressme_quant::{
+    Activations, Backend, Format, GroupSize, Packed, Tier, matmul_into_using, quantize,
+};
 
 const ERR_ROWS: usize = 256;
 const ERR_COLS: usize = 512;
@@ -45,6 +52,8 @@ struct Args {
     threads: usize,
     rounds: usize,
     tiers: Vec<Tier>,
+    /// Which activations the integer formats run at batch 32.
+    activations: Vec<Activations>,
 }
 
 fn args() -> Fallible<Args> {
@@ -56,6 +65,7 @@ fn args() -> Fallible<Args> {
         threads: 1,
         rounds: 9,
         tiers: simd.clone(),
+        activations: vec![Activations::Fixed14, Activations::Block8],
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -65,6 +75,14 @@ fn args() -> Fallible<Args> {
         match k.as_str() {
             "--threads" => a.threads = count()?.max(1),
             "--rounds" => a.rounds = count()?.max(1),
+            "--activations" => {
+                a.activations = match v.as_str() {
+                    "14" => vec![Activations::Fixed14],
+                    "8" => vec![Activations::Block8],
+                    "both" => vec![Activations::Fixed14, Activations::Block8],
+                    _ => return Err(format!("--activations {v}: 14, 8 or both")),
+                }
+            }
             "--tiers" => {
                 a.tiers = match v.as_str() {
                     "best" => vec![Tier::best()],
@@ -84,7 +102,7 @@ fn args() -> Fallible<Args> {
             }
             _ => {
                 return Err(format!(
-                    "unknown option {k} (--threads N, --rounds R, --tiers best|simd|all|NAME)"
+                    "unknown option {k} (--threads N, --rounds R, --tiers best|simd|all|NAME, --activations 14|8|both)"
                 ));
             }
         }
@@ -114,7 +132,7 @@ fn read_floor(buf: &[u64], reps: usize) -> f64 {
 
 /// A kernel under test: ours (on a tier) or candle's.
 enum Kernel {
-    Ours(std::rc::Rc<Packed>, Tier),
+    Ours(std::rc::Rc<Packed>, Tier, Activations),
     Candle(QMatMul),
 }
 
@@ -150,6 +168,7 @@ fn ours_rows(
     mats: &[Vec<f32>],
     w: &[f32],
     tiers: &[Tier],
+    activations: &[Activations],
 ) -> Fallible<Vec<Row>> {
     let mut rmse = [0.0; 3];
     let mut bits = 0.0;
@@ -166,15 +185,25 @@ fn ours_rows(
         Ok(())
     })?;
     let packed = std::rc::Rc::new(packed.ok_or("no packed weights")?);
-    Ok(tiers
+    let half = matches!(format, Format::F16 | Format::Bf16);
+    let acts: &[Activations] = if half {
+        &[Activations::Fixed14]
+    } else {
+        activations
+    };
+    Ok(acts
         .iter()
-        .map(|&tier| Row {
-            name: format!("ours {name} [{tier}]"),
+        .flat_map(|&a| tiers.iter().map(move |&tier| (a, tier)))
+        .map(|(a, tier)| Row {
+            name: match a {
+                Activations::Block8 => format!("ours {name} [{tier}, x8]"),
+                _ => format!("ours {name} [{tier}]"),
+            },
             bits,
             rmse,
             quantize_gbs: (N * N * 4) as f64 / t.as_secs_f64() / 1e9,
             stored: packed.stored_bytes(),
-            kernel: Kernel::Ours(packed.clone(), tier),
+            kernel: Kernel::Ours(packed.clone(), tier, a),
             samples: [Vec::new(), Vec::new()],
             floor: Vec::new(),
         })
@@ -247,7 +276,7 @@ fn main() -> Fallible<()> {
     }
     for (f, name) in &ours {
         eprintln!("quantizing {name}");
-        rows.extend(ours_rows(*f, name, &mats, &w, &a.tiers)?);
+        rows.extend(ours_rows(*f, name, &mats, &w, &a.tiers, &a.activations)?);
     }
     for f in LlamaFormat::ALL {
         eprintln!("quantizing {f:?}");
@@ -285,10 +314,16 @@ fn main() -> Fallible<()> {
                 let Some(row) = rows.get_mut((k + round) % n) else {
                     continue;
                 };
+                if batch == 1 && matches!(row.kernel, Kernel::Ours(_, _, Activations::Block8)) {
+                    // a single row runs 14-bit activations: the other row's time
+                    continue;
+                }
+                let mut y = vec![0f32; batch * N];
                 let t = best_of(reps, || {
                     match &row.kernel {
-                        Kernel::Ours(p, tier) => {
-                            matmul_with(Backend::Tier(*tier), x, batch, p).map_err(s)?;
+                        Kernel::Ours(p, tier, acts) => {
+                            matmul_into_using(Backend::Tier(*tier), *acts, x, batch, p, &mut y)
+                                .map_err(s)?;
                         }
                         Kernel::Candle(q) => {
                             q.forward(xt).map_err(s)?;
@@ -330,6 +365,15 @@ fn main() -> Fallible<()> {
         1e3 * median(dense[1].clone())
     );
     for row in &rows {
+        if row.samples[0].is_empty() {
+            let t = 1e3 * median(row.samples[1].iter().map(|p| p.0).collect());
+            let r = median(row.samples[1].iter().map(|p| p.1).collect());
+            println!(
+                "| {} | {:.3} | {:.5} | {:.5} | {:.5} | {:.2} | - | - | - | - | {t:.2} | {r:.2}x |",
+                row.name, row.bits, row.rmse[0], row.rmse[1], row.rmse[2], row.quantize_gbs,
+            );
+            continue;
+        }
         let t = |i: usize| 1e3 * median(row.samples[i].iter().map(|p| p.0).collect());
         let r = |i: usize| median(row.samples[i].iter().map(|p| p.1).collect());
         let floor = 1e3 * median(row.floor.clone());

@@ -45,8 +45,8 @@ pub use format::{
     Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_weighted,
 };
 pub use kernels::{
-    Backend, NF4_I8, Tier, error_bound, kernel_tier, matmul, matmul_into, matmul_into_with,
-    matmul_with,
+    Activations, Backend, NF4_I8, Tier, activations_for, error_bound, error_bound_block8,
+    kernel_tier, matmul, matmul_into, matmul_into_using, matmul_into_with, matmul_with,
 };
 
 /// Result alias for this crate.

@@ -42,6 +42,8 @@ mod portable;
 mod split;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
+#[cfg(target_arch = "x86_64")]
+mod tiles8;
 
 /// Largest magnitude of a rounded activation: 14-bit fixed point.
 pub(crate) const X_MAX: f32 = 8191.0;
@@ -54,6 +56,8 @@ const STEP: usize = 16;
 const NIBBLE_BLOCK: usize = 32;
 /// Output rows a task takes.
 const ROWS_PER_TASK: usize = 16;
+/// Columns of `x` that share one step under [`Activations::Block8`].
+const BLOCK8: usize = 32;
 
 /// The NF4 codebook times 127, rounded: the kernels' view of NF4 codes.
 pub const NF4_I8: [i8; 16] = [
@@ -189,6 +193,83 @@ pub fn kernel_tier() -> Result<Tier> {
         })
         .clone()
         .map_err(Error::Kernel)
+}
+
+/// How the integer kernels round activations at batches of 8 and more on the SIMD tiers
+/// (a batch of 7 or less, the portable tier and F16/BF16 always run 14-bit activations).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Activations {
+    /// What [`activations_for`] picks for the weights' format: `COMPRESSME_ACTIVATIONS`
+    /// when it is set, otherwise [`Activations::default_for`] (8-bit activations for the
+    /// 4-bit formats, 14-bit for the 8-bit ones).
+    Auto,
+    /// Each row of `x` in 14-bit fixed point with one step a row: the error
+    /// [`error_bound`] states.
+    Fixed14,
+    /// Each block of 32 values of a row in 8 bits with its own step, as llama.cpp's and
+    /// candle's Q8 activations: the tiles multiply bytes by bytes (`vpdpbusd` on the VNNI
+    /// tiers, 64 products an instruction on AVX-512 against 32 for 14-bit activations),
+    /// within [`error_bound_block8`]. Formats whose groups are not whole blocks of 32
+    /// keep 14-bit activations.
+    Block8,
+}
+
+impl Activations {
+    /// The name `COMPRESSME_ACTIVATIONS` takes: `14`, `8` or `auto`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fixed14 => "14",
+            Self::Block8 => "8",
+        }
+    }
+
+    /// The choice a name stands for (`14`, `8` or `auto`).
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Auto, Self::Fixed14, Self::Block8]
+            .into_iter()
+            .find(|a| a.name() == name)
+    }
+
+    /// The default for a format, where its error budget allows 8 bits: the 4-bit
+    /// formats, whose own rounding dominates, take [`Activations::Block8`] (on
+    /// SmolLM2-135M it added 1-2% to NF4-g64's KL divergence from the f32 model); the
+    /// 8-bit formats keep [`Activations::Fixed14`] (8-bit activations multiplied
+    /// INT8-g32's KL by 3.8 there, to candle Q8_0's level); F16 and BF16 multiply in f32.
+    #[must_use]
+    pub fn default_for(format: Format) -> Self {
+        if format.code_bits() == 4 {
+            Self::Block8
+        } else {
+            Self::Fixed14
+        }
+    }
+}
+
+/// The activations [`Activations::Auto`] runs for `format`: `COMPRESSME_ACTIVATIONS`
+/// (`14` or `8`, for every format; read once a process) when it is set to one of them,
+/// otherwise [`Activations::default_for`].
+///
+/// # Errors
+/// [`Error::Kernel`] when `COMPRESSME_ACTIVATIONS` names no choice.
+pub fn activations_for(format: Format) -> Result<Activations> {
+    static CHOSEN: std::sync::OnceLock<std::result::Result<Activations, String>> =
+        std::sync::OnceLock::new();
+    let chosen = CHOSEN
+        .get_or_init(|| match std::env::var("COMPRESSME_ACTIVATIONS") {
+            Err(_) => Ok(Activations::Auto),
+            Ok(name) => Activations::from_name(name.trim())
+                .ok_or_else(|| format!("COMPRESSME_ACTIVATIONS={name}: not one of 14, 8, auto")),
+        })
+        .clone()
+        .map_err(Error::Kernel)?;
+    Ok(match chosen {
+        Activations::Auto => Activations::default_for(format),
+        a => a,
+    })
 }
 
 /// The instruction set a call runs with.
@@ -763,6 +844,22 @@ pub fn matmul_into_with(
     w: &Packed,
     y: &mut [f32],
 ) -> Result<()> {
+    matmul_into_using(backend, Activations::Auto, x, batch, w, y)
+}
+
+/// [`matmul_into`] on a chosen [`Backend`] with chosen [`Activations`].
+///
+/// # Errors
+/// As for [`matmul_into`]; [`Error::Kernel`] also when `activations` is
+/// [`Activations::Auto`] and `COMPRESSME_ACTIVATIONS` names no choice.
+pub fn matmul_into_using(
+    backend: Backend,
+    activations: Activations,
+    x: &[f32],
+    batch: usize,
+    w: &Packed,
+    y: &mut [f32],
+) -> Result<()> {
     let (rows, cols) = (w.rows(), w.cols());
     check_input(x, batch, cols)?;
     if Some(y.len()) != batch.checked_mul(rows) {
@@ -772,18 +869,30 @@ pub fn matmul_into_with(
         )));
     }
     let isa = Isa::pick(backend)?;
+    let activations = match activations {
+        Activations::Auto => activations_for(w.format())?,
+        a => a,
+    };
     if batch == 0 {
         return Ok(());
     }
+    let half = matches!(w.format(), Format::F16 | Format::Bf16);
+    let block8 = activations == Activations::Block8
+        && !half
+        && batch >= BLOCK8_MIN_BATCH
+        && block8_runs(isa, w)
+        && x.iter().all(|v| v.is_finite());
     let nibbles = w.format().code_bits() == 4;
-    let fixed = match w.format() {
-        Format::F16 | Format::Bf16 => None,
-        _ => FixedX::new(x, batch, cols, nibbles),
+    let fixed = if half || block8 {
+        None
+    } else {
+        FixedX::new(x, batch, cols, nibbles)
     };
-    let rows_of = |yt: &mut [f32]| match (w.format(), fixed) {
-        (Format::F16 | Format::Bf16, _) => half_rows(isa, x, batch, w, yt),
-        (_, Some(fx)) => int_rows(isa, &fx, batch, w, yt),
-        (_, None) => f32_rows(x, batch, w, yt),
+    let rows_of = |yt: &mut [f32]| match fixed {
+        _ if half => half_rows(isa, x, batch, w, yt),
+        _ if block8 => int_rows_block8(isa, x, batch, w, yt),
+        Some(fx) => int_rows(isa, &fx, batch, w, yt),
+        None => f32_rows(x, batch, w, yt),
     };
     if batch == 1 {
         // [rows, 1] is already [1, rows]
@@ -922,6 +1031,40 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             }
         },
     );
+}
+
+/// The smallest batch [`Activations::Block8`] applies to (the tiles' smallest).
+const BLOCK8_MIN_BATCH: usize = 8;
+
+/// Whether [`Activations::Block8`] runs for `w` on `isa`: a SIMD tier, and groups of
+/// whole blocks of 32 (or one scale a row).
+fn block8_runs(isa: Isa, w: &Packed) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if isa.tiles().is_some() {
+        let view = RowsView::new(w, w.cols());
+        return tiles8::fits(&view);
+    }
+    let _ = (isa, w);
+    false
+}
+
+/// An integer matrix against 8 or more rows of finite `x` rounded to 8 bits a block (see
+/// [`Activations::Block8`]), on the tiles; `yt` is `[rows, batch]`.
+fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kind) = isa.tiles() {
+        let cols = w.cols();
+        let kp = cols.div_ceil(BLOCK8) * BLOCK8;
+        let view = RowsView::new(w, kp);
+        // INT4's minimums, one a group of each row
+        let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
+        let dot = |a: &[f32], b: &[f32]| isa.dot_f32(a, b);
+        tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, &dot);
+        return;
+    }
+    // not reached: `block8_runs` is false off the SIMD tiers
+    let _ = isa;
+    f32_rows(x, batch, w, yt);
 }
 
 /// Multiply-adds below which a call stays on the calling thread: waking the pool costs
@@ -1141,6 +1284,27 @@ pub fn error_bound(x: &[f32], w: &[f32], nf4_scale: f32) -> f32 {
     let big = mag + sx * f64::from(wmax);
     (sw * f64::from(dx) * 1.01 + (sx + n * f64::from(dx)) * f64::from(dw) + big * 1e-5) as f32
         + 1e-30
+}
+
+/// [`error_bound`] for [`Activations::Block8`]: `x` rounded to 8 bits per block of 32
+/// (at most `absmax(block) / 254` a value) in place of 14 bits per row.
+#[must_use]
+pub fn error_bound_block8(x: &[f32], w: &[f32], nf4_scale: f32) -> f32 {
+    let dw = nf4_scale * 0.4663 / 127.0;
+    let (mut sdx, mut sx, mut sdxw, mut mag) = (0f64, 0f64, 0f64, 0f64);
+    for (xb, wb) in x.chunks(BLOCK8).zip(w.chunks(BLOCK8)) {
+        let dx = f64::from(xb.iter().fold(0f32, |m, v| m.max(v.abs()))) / 254.0;
+        for (&a, &b) in xb.iter().zip(wb) {
+            sdxw += f64::from(b.abs()) * dx;
+            sdx += dx;
+            sx += f64::from(a.abs());
+            mag += f64::from((a * b).abs());
+        }
+    }
+    let wmax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // f32 sums: INT4's step and minimum terms may each be as large as max|w| sum|x|
+    let big = mag + sx * f64::from(wmax);
+    (sdxw * 1.01 + (sx + sdx) * f64::from(dw) + big * 1e-5) as f32 + 1e-30
 }
 
 #[cfg(test)]

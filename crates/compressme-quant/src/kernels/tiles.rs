@@ -60,14 +60,14 @@ pub(super) enum Kind {
 
 impl Kind {
     /// Rows of `x` a vector holds.
-    fn lanes(self) -> usize {
+    pub(super) fn lanes(self) -> usize {
         match self {
             Self::Avx2(_) | Self::AvxVnni(_) => 8,
             Self::Avx512(_) => 16,
         }
     }
 
-    fn avx2(self) -> avx2::Token {
+    pub(super) fn avx2(self) -> avx2::Token {
         match self {
             Self::Avx2(t) => t,
             Self::AvxVnni(t) => t.avx2(),
@@ -524,26 +524,43 @@ pub(super) fn run(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// Every kind of tile this CPU runs; `test` names on stderr as skipped the ones it
+    /// lacks (all of them without AVX2: then the list is empty).
+    pub(in super::super) fn kinds(test: &str) -> Vec<Kind> {
+        let Some(t2) = avx2::Token::detect() else {
+            eprintln!("skipped: {test} (no AVX2)");
+            return Vec::new();
+        };
+        let mut kinds = vec![Kind::Avx2(t2)];
+        match avxvnni::Token::detect() {
+            Some(t) => kinds.push(Kind::AvxVnni(t)),
+            None => eprintln!("skipped: {test} on AVX-VNNI (this CPU lacks AVX-VNNI)"),
+        }
+        match avx512::Token::detect() {
+            Some(t) => kinds.push(Kind::Avx512(t)),
+            None => eprintln!("skipped: {test} on AVX-512 (this CPU lacks AVX-512 VNNI)"),
+        }
+        kinds
+    }
+
+    /// A xorshift stream: the tests' fixed pseudo-random values.
+    pub(in super::super) fn xorshift(mut seed: u32) -> impl FnMut() -> u32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        }
+    }
 
     /// Every kind of tile the CPU runs gives the bits of [`reference`], on rows with
     /// several flushes and extreme codes and activations.
     #[test]
     fn simd_tiles_give_the_reference_bits() {
-        let Some(t2) = avx2::Token::detect() else {
-            eprintln!("skipped: simd_tiles_give_the_reference_bits (no AVX2)");
-            return;
-        };
-        let mut kinds = vec![Kind::Avx2(t2)];
-        match avxvnni::Token::detect() {
-            Some(t) => kinds.push(Kind::AvxVnni(t)),
-            None => eprintln!("skipped: the AVX-VNNI tiles (this CPU lacks AVX-VNNI)"),
-        }
-        match avx512::Token::detect() {
-            Some(t) => kinds.push(Kind::Avx512(t)),
-            None => eprintln!("skipped: the AVX-512 tiles (this CPU lacks AVX-512 VNNI)"),
-        }
+        let kinds = kinds("simd_tiles_give_the_reference_bits");
         let kp = 96;
         let sched = [
             Flush {
@@ -563,13 +580,7 @@ mod tests {
             },
         ];
         let mut s = Scratch::new(kp, sched.len());
-        let mut seed = 0x9e37_79b9_u32;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        };
+        let mut next = xorshift(0x9e37_79b9);
         for c in &mut s.wide {
             *c = match next() % 5 {
                 0 => 127,

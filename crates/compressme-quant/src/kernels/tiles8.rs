@@ -1,0 +1,631 @@
+//! Eight or more rows of `x` against an integer matrix, `x` rounded to 8 bits per block
+//! of 32 columns: [`super::Activations::Block8`], llama.cpp's and candle's Q8
+//! activations, on the tiles of [`super::tiles`] (one `x` row a vector lane).
+//!
+//! Each row of `x` is cut into blocks of [`BLOCK`] columns, in the order the weights'
+//! codes come in (nibble order for the 4-bit formats: a permutation inside each block, so
+//! a block holds the same 32 values either way). A block with largest magnitude `a` is
+//! rounded to `q = round(x · 127 / a)` in `-127..=127`, with step `s = a / 127` (0 and 0
+//! for a block of zeros). The panel holds, for 16 rows of `x` (AVX-512) or 8 (AVX2,
+//! AVX-VNNI), unit `p · lanes + l` = row `l`'s four bytes `4p..4p + 4`; a weight row's four
+//! codes, broadcast, meet it in one instruction: 64 products (AVX-512 `vpdpbusd`) or 32,
+//! against 32 or 16 for the 14-bit tiles.
+//!
+//! # Arithmetic (the same on every SIMD tier, and in [`reference`])
+//! For weight row `r` (codes `c_j`, one scale `w_g` a group) and `x` row `b`:
+//! - each block's products are summed exactly in one `i32`: `S = Σ c_j q_j` (at most
+//!   `32 · 128 · 127` in magnitude);
+//! - `a_g = fma(S as f32, s, a_g)` over the group's blocks in order, from `a_g = 0`;
+//! - `acc = fma(a_g, w_g, acc)` over the groups in order, from `acc = 0` (a per-row
+//!   format is one group of the whole row);
+//! - `Int4Block`'s minimums add `Σ_g min_g · Σ_{j in g} x_j`, with `x`'s group sums taken
+//!   in f32 from the unrounded values.
+//!
+//! How each tier gets `S`: AVX-512 VNNI and AVX-VNNI with `vpdpbusd`, the codes biased to
+//! unsigned bytes `u = c + 128` (`Σ u q = S + 128 · Σ q`, and `128 · Σ q` is worked out once
+//! a block of `x`); AVX2 with `vpsignb`, `vpabsb`, `vpmaddubsw` and `vpmaddwd` (`|c| <= 128`
+//! and `|q| <= 127`, so a pair of products, at most 32,512, never saturates an `i16`). So
+//! every SIMD tier gives the same bits.
+//!
+//! The error is that of 8-bit activations: at most `s / 2` a value of `x`, against
+//! `absmax / 16382` on the 14-bit path; [`super::error_bound_block8`] states it.
+//!
+//! Every `unsafe` here is one of two things: calling a `#[target_feature]` function,
+//! which a token makes sound (it exists only after the CPU was seen to have the
+//! features), or an unaligned load, store or broadcast inside a range the safe wrapper
+//! checked first.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m256i, _mm256_abs_epi8, _mm256_add_epi32, _mm256_cvtepi32_ps, _mm256_dpbusd_avx_epi32,
+    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_maddubs_epi16,
+    _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_sign_epi8, _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32,
+    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps, _mm512_sub_epi32,
+};
+
+use super::tiles::{Kind, ROWS};
+use super::{RowsView, ScaleRule, avx2, nibble_slot};
+
+/// Columns of `x` that share one 8-bit step.
+const BLOCK: usize = super::BLOCK8;
+/// Groups of four bytes in a block.
+const QUADS: usize = BLOCK / 4;
+/// Weight rows a kernel call takes.
+const MR: usize = 8;
+/// The widest panel: 16 lanes.
+const LANES: usize = 16;
+
+/// `q.round().clamp(-127, 127)` for a finite `q` at most a little past 127 in magnitude
+/// (rounding half away from zero, as [`super::round_fixed`] does).
+#[inline]
+fn round8(q: f32) -> i8 {
+    let t = q as i32;
+    let frac = q - t as f32;
+    let r = t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5);
+    r.clamp(-127, 127) as i8
+}
+
+/// Whether a matrix takes these tiles: a per-row format, or groups of whole blocks.
+pub(super) fn fits(view: &RowsView<'_>) -> bool {
+    match view.rule {
+        ScaleRule::Row { .. } => true,
+        ScaleRule::Groups { .. } => view.group > 0 && view.group.is_multiple_of(BLOCK),
+    }
+}
+
+/// `x` rounded to 8 bits per block and transposed into blocks of `lanes` rows.
+pub(super) struct Panel {
+    lanes: usize,
+    /// Columns, padded to whole blocks.
+    kp: usize,
+    /// Unit `(k · kp / 4 + u) · lanes + l`: row `k · lanes + l`'s bytes `4u..4u + 4`.
+    q: Vec<u32>,
+    /// `(k · blocks + c) · lanes + l`: that row's step in block `c`.
+    step: Vec<f32>,
+    /// Laid out as `step`: `128 · Σ q` over the block (what the biased codes add).
+    bias: Vec<i32>,
+    /// Per row, per block: `s · Σ q`, the rounded block's sum.
+    sums: Vec<f32>,
+}
+
+impl Panel {
+    /// `x` (`[batch, cols]`, every value finite) for `lanes` lanes; `nibbles` puts each
+    /// block in nibble order.
+    pub(super) fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
+        let kp = cols.div_ceil(BLOCK) * BLOCK;
+        let (units, blocks) = (kp / 4, kp / BLOCK);
+        let panels = batch.div_ceil(lanes);
+        let mut q = vec![0u32; panels * units * lanes];
+        let mut step = vec![0f32; panels * blocks * lanes];
+        let mut bias = vec![0i32; panels * blocks * lanes];
+        let mut sums = vec![0f32; batch * blocks];
+        let mut bytes = [0i8; BLOCK];
+        for (b, row) in x.chunks_exact(cols.max(1)).take(batch).enumerate() {
+            let (k, l) = (b / lanes, b % lanes);
+            for (c, vals) in row.chunks(BLOCK).enumerate() {
+                let absmax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+                bytes.fill(0);
+                if absmax > 0.0 {
+                    let inv = 127.0 / absmax;
+                    for (i, &v) in vals.iter().enumerate() {
+                        let slot = if nibbles { nibble_slot(i) } else { i };
+                        bytes[slot] = round8(v * inv);
+                    }
+                }
+                let at = (k * blocks + c) * lanes + l;
+                let qsum = bytes.iter().map(|&v| i32::from(v)).sum::<i32>();
+                if let (Some(s), Some(o), Some(t)) = (
+                    step.get_mut(at),
+                    bias.get_mut(at),
+                    sums.get_mut(b * blocks + c),
+                ) {
+                    *s = absmax / 127.0;
+                    *o = 128 * qsum;
+                    *t = qsum as f32 * *s;
+                }
+                for (u, quad) in bytes.chunks_exact(4).enumerate() {
+                    let v =
+                        u32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]].map(|v| v as u8));
+                    if let Some(o) = q.get_mut((k * units + c * QUADS + u) * lanes + l) {
+                        *o = v;
+                    }
+                }
+            }
+        }
+        Self {
+            lanes,
+            kp,
+            q,
+            step,
+            bias,
+            sums,
+        }
+    }
+
+    /// Per row, the rounded `x`'s sum over each group of `gblocks` blocks (for
+    /// `Int4Block`'s minimums), the blocks added in order.
+    fn group_sums(&self, batch: usize, gblocks: usize) -> Vec<f32> {
+        let blocks = self.blocks();
+        let gblocks = gblocks.max(1);
+        let mut out = Vec::with_capacity(batch * blocks.div_ceil(gblocks));
+        for b in 0..batch {
+            let row = self.sums.get(b * blocks..(b + 1) * blocks).unwrap_or(&[]);
+            out.extend(
+                row.chunks(gblocks)
+                    .map(|g| g.iter().fold(0f32, |a, &v| a + v)),
+            );
+        }
+        out
+    }
+
+    fn blocks(&self) -> usize {
+        self.kp / BLOCK
+    }
+
+    /// Block `k` of rows: its units, steps and biases.
+    fn block(&self, k: usize) -> (&[u32], &[f32], &[i32]) {
+        let (nq, ns) = (self.kp / 4 * self.lanes, self.blocks() * self.lanes);
+        (
+            self.q.get(k * nq..(k + 1) * nq).unwrap_or(&[]),
+            self.step.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
+            self.bias.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
+        )
+    }
+}
+
+/// A thread's reused buffers: 16 weight rows' codes as bytes (biased by 128 for the VNNI
+/// tiers) and each row's group scales.
+struct Rows {
+    kp: usize,
+    groups: usize,
+    codes: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+impl Rows {
+    fn new(kp: usize, groups: usize) -> Self {
+        Self {
+            kp,
+            groups,
+            codes: vec![0; ROWS * kp],
+            scales: vec![0.0; ROWS * groups],
+        }
+    }
+
+    /// Rows `first..first + n` (`n <= 16`) of the matrix; rows past `n` are left as they
+    /// were (their outputs are not kept).
+    fn load(&mut self, kind: Kind, view: &RowsView<'_>, first: usize, n: usize) {
+        let biased = !matches!(kind, Kind::Avx2(_));
+        let pad = if biased { i8::MIN } else { 0 };
+        let (kp, ng) = (self.kp, self.groups);
+        for (k, row) in self.codes.chunks_exact_mut(kp.max(1)).enumerate().take(n) {
+            let codes = view.codes_of(first + k);
+            row.fill(pad);
+            match view.lut {
+                Some(lut) => {
+                    let lut = if biased {
+                        lut.map(|v| v ^ i8::MIN)
+                    } else {
+                        *lut
+                    };
+                    avx2::decode_nibbles(kind.avx2(), codes, &lut, row);
+                }
+                None => {
+                    for (o, &c) in row.iter_mut().zip(codes) {
+                        *o = (c as i8) ^ pad;
+                    }
+                }
+            }
+            let scales = view.scales_of(first + k);
+            for (g, o) in self.scales[k * ng..(k + 1) * ng].iter_mut().enumerate() {
+                *o = scales.get(g);
+            }
+        }
+    }
+}
+
+/// Eight weight rows' codes as four-byte units, and their scales, for one kernel call.
+struct Eight<'a> {
+    rows: [&'a [i8]; MR],
+    scales: [&'a [f32]; MR],
+}
+
+impl<'a> Eight<'a> {
+    fn of(s: &'a Rows, m: usize) -> Self {
+        let (kp, ng) = (s.kp, s.groups);
+        Self {
+            rows: std::array::from_fn(|r| {
+                s.codes
+                    .get((m * MR + r) * kp..(m * MR + r + 1) * kp)
+                    .unwrap_or(&[])
+            }),
+            scales: std::array::from_fn(|r| {
+                s.scales
+                    .get((m * MR + r) * ng..(m * MR + r + 1) * ng)
+                    .unwrap_or(&[])
+            }),
+        }
+    }
+}
+
+/// Row `r`'s four codes of unit `u` as one `i32`.
+///
+/// # Safety
+/// `4u + 4 <= w.len()`.
+#[inline]
+unsafe fn quad_of(w: &[i8], u: usize) -> i32 {
+    // SAFETY: in range (caller)
+    unsafe { w.as_ptr().add(4 * u).cast::<i32>().read_unaligned() }
+}
+
+/// Eight weight rows against one block of the panel: `out[r][l]` is the row against the
+/// block's row `l`, before `Int4Block`'s minimums (AVX2 and AVX-VNNI fill 8 lanes).
+fn dots(kind: Kind, e: &Eight<'_>, gblocks: usize, p: &Panel, k: usize) -> [[f32; LANES]; MR] {
+    let (xq, step, bias) = p.block(k);
+    let (kp, blocks, lanes) = (p.kp, p.blocks(), kind.lanes());
+    let groups = blocks.div_ceil(gblocks.max(1));
+    let ok = gblocks > 0
+        && p.lanes == lanes
+        && e.rows.iter().all(|r| r.len() >= kp)
+        && e.scales.iter().all(|s| s.len() >= groups)
+        && xq.len() >= kp / 4 * lanes
+        && step.len() >= blocks * lanes
+        && bias.len() >= blocks * lanes;
+    if !ok {
+        return reference(
+            lanes,
+            e,
+            gblocks,
+            blocks,
+            xq,
+            step,
+            !matches!(kind, Kind::Avx2(_)),
+        );
+    }
+    let _ = kind;
+    // SAFETY: the token in `kind` proves the features; `ok` checked every range the
+    // loads read (rows of `kp = 32 · blocks` codes, `blocks` groups at most, the block's
+    // `kp / 4` units, steps and biases of `lanes` each).
+    unsafe {
+        match kind {
+            Kind::Avx2(_) => tile_avx2(e, gblocks, blocks, xq, step, bias),
+            Kind::AvxVnni(_) => tile_avxvnni(e, gblocks, blocks, xq, step, bias),
+            Kind::Avx512(_) => tile_avx512(e, gblocks, blocks, xq, step, bias),
+        }
+    }
+}
+
+/// [`dots`] in plain Rust, the definition the SIMD code is held to: `biased` says the
+/// codes carry the VNNI tiers' `+ 128`, which it takes off first.
+fn reference(
+    lanes: usize,
+    e: &Eight<'_>,
+    gblocks: usize,
+    blocks: usize,
+    xq: &[u32],
+    step: &[f32],
+    biased: bool,
+) -> [[f32; LANES]; MR] {
+    let mut out = [[0f32; LANES]; MR];
+    let gblocks = gblocks.max(1);
+    for (r, o) in out.iter_mut().enumerate() {
+        let code = |j: usize| {
+            let c = e.rows[r].get(j).copied().unwrap_or(0);
+            i32::from(if biased { c ^ i8::MIN } else { c })
+        };
+        for (l, acc) in o.iter_mut().enumerate().take(lanes) {
+            for g in 0..blocks.div_ceil(gblocks) {
+                let mut a = 0f32;
+                for c in g * gblocks..((g + 1) * gblocks).min(blocks) {
+                    let mut sum = 0i32;
+                    for j in c * BLOCK..(c + 1) * BLOCK {
+                        let unit = xq.get((j / 4) * lanes + l).copied().unwrap_or(0);
+                        let q = i32::from((unit >> (8 * (j % 4))) as u8 as i8);
+                        sum += code(j) * q;
+                    }
+                    let s = step.get(c * lanes + l).copied().unwrap_or(0.0);
+                    a = (sum as f32).mul_add(s, a);
+                }
+                let w = e.scales[r].get(g).copied().unwrap_or(0.0);
+                *acc = a.mul_add(w, *acc);
+            }
+        }
+    }
+    out
+}
+
+/// A 256-bit tile kernel: `$name`, with `$features`, summing a block with
+/// `$step(sum, xv, wv)` (`wv` four codes broadcast) and taking `$bias` (the biased
+/// codes' `128 · Σ q`, or nothing) off each block's sum.
+macro_rules! tile_256 {
+    ($name:ident, $features:literal, $step:expr, $unbias:expr) => {
+        /// # Safety
+        /// The features present; every row of `e` holds `32 · blocks` codes and every
+        /// row's scales `blocks.div_ceil(gblocks)` (with `gblocks > 0`); `xq` holds
+        /// `8 · blocks · 8` units, `step` and `bias` `8 · blocks` values.
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            e: &Eight<'_>,
+            gblocks: usize,
+            blocks: usize,
+            xq: &[u32],
+            step: &[f32],
+            bias: &[i32],
+        ) -> [[f32; LANES]; MR] {
+            let mut acc = [_mm256_setzero_ps(); MR];
+            let mut g = 0;
+            while g * gblocks < blocks {
+                let mut ga = [_mm256_setzero_ps(); MR];
+                for c in g * gblocks..((g + 1) * gblocks).min(blocks) {
+                    let mut s = [_mm256_setzero_si256(); MR];
+                    for u in c * QUADS..(c + 1) * QUADS {
+                        // SAFETY: u < 8 · blocks: eight units from 8u are in `xq`
+                        let xv = unsafe { _mm256_loadu_si256(xq.as_ptr().add(8 * u).cast()) };
+                        for (sr, row) in s.iter_mut().zip(e.rows) {
+                            // SAFETY: 4u + 4 <= 32 · blocks <= the row's length
+                            let wv = _mm256_set1_epi32(unsafe { quad_of(row, u) });
+                            *sr = $step(*sr, xv, wv);
+                        }
+                    }
+                    // SAFETY: c < blocks: eight values from 8c are in `step` and `bias`
+                    let (sv, bv) = unsafe {
+                        (
+                            _mm256_loadu_ps(step.as_ptr().add(8 * c)),
+                            _mm256_loadu_si256(bias.as_ptr().add(8 * c).cast()),
+                        )
+                    };
+                    for r in 0..MR {
+                        let exact = $unbias(s[r], bv);
+                        ga[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), sv, ga[r]);
+                    }
+                }
+                for r in 0..MR {
+                    acc[r] = _mm256_fmadd_ps(ga[r], _mm256_set1_ps(e.scales[r][g]), acc[r]);
+                }
+                g += 1;
+            }
+            let mut out = [[0f32; LANES]; MR];
+            for (o, v) in out.iter_mut().zip(acc) {
+                // SAFETY: 8 of the row's 16 f32
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+            }
+            out
+        }
+    };
+}
+
+tile_256!(
+    tile_avx2,
+    "avx2,fma",
+    |s: __m256i, x: __m256i, w: __m256i| {
+        // |w| as unsigned bytes times x with w's sign: exact pairs in i16, then quads
+        let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+        _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    },
+    |s: __m256i, _b: __m256i| s
+);
+tile_256!(
+    tile_avxvnni,
+    "avx2,fma,avxvnni",
+    |s: __m256i, x: __m256i, w: __m256i| _mm256_dpbusd_avx_epi32(s, w, x),
+    |s: __m256i, b: __m256i| _mm256_sub_epi32(s, b)
+);
+
+/// # Safety
+/// AVX-512 F and VNNI and FMA present; the ranges of [`tile_avx2`] with 16 lanes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn tile_avx512(
+    e: &Eight<'_>,
+    gblocks: usize,
+    blocks: usize,
+    xq: &[u32],
+    step: &[f32],
+    bias: &[i32],
+) -> [[f32; LANES]; MR] {
+    let mut acc = [_mm512_setzero_ps(); MR];
+    let mut g = 0;
+    while g * gblocks < blocks {
+        let mut ga = [_mm512_setzero_ps(); MR];
+        for c in g * gblocks..((g + 1) * gblocks).min(blocks) {
+            let mut s = [_mm512_setzero_si512(); MR];
+            for u in c * QUADS..(c + 1) * QUADS {
+                // SAFETY: u < 8 · blocks: sixteen units from 16u are in `xq`
+                let xv = unsafe { _mm512_loadu_si512(xq.as_ptr().add(LANES * u).cast()) };
+                for (sr, row) in s.iter_mut().zip(e.rows) {
+                    // SAFETY: 4u + 4 <= 32 · blocks <= the row's length
+                    let wv = _mm512_set1_epi32(unsafe { quad_of(row, u) });
+                    *sr = _mm512_dpbusd_epi32(*sr, wv, xv);
+                }
+            }
+            // SAFETY: c < blocks: sixteen values from 16c are in `step` and `bias`
+            let (sv, bv) = unsafe {
+                (
+                    _mm512_loadu_ps(step.as_ptr().add(LANES * c)),
+                    _mm512_loadu_si512(bias.as_ptr().add(LANES * c).cast()),
+                )
+            };
+            for r in 0..MR {
+                let exact = _mm512_sub_epi32(s[r], bv);
+                ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), sv, ga[r]);
+            }
+        }
+        for r in 0..MR {
+            acc[r] = _mm512_fmadd_ps(ga[r], _mm512_set1_ps(e.scales[r][g]), acc[r]);
+        }
+        g += 1;
+    }
+    let mut out = [[0f32; LANES]; MR];
+    for (o, v) in out.iter_mut().zip(acc) {
+        // SAFETY: the row's 16 f32
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
+    out
+}
+
+/// The whole product: `yt` is `[rows, batch]`; each output is its row's sum plus, when
+/// `mins` is given (`Int4Block`: each row's minimums, one a group), `dot` of the row's
+/// minimums with the rounded `x` row's group sums, so the output is the rounded `x`
+/// against the weights as they are, `Σ (s_g c_j + min_g) x~_j`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    kind: Kind,
+    x: &[f32],
+    batch: usize,
+    view: &RowsView<'_>,
+    cols: usize,
+    rows: usize,
+    yt: &mut [f32],
+    mins: Option<&[f32]>,
+    dot: &(dyn Fn(&[f32], &[f32]) -> f32 + Sync),
+) {
+    let lanes = kind.lanes();
+    let panel = Panel::new(x, batch, cols, view.lut.is_some(), lanes);
+    let (kp, blocks) = (panel.kp, panel.blocks());
+    // a per-row format is one group of the whole row
+    let gblocks = match view.rule {
+        ScaleRule::Row { .. } => blocks.max(1),
+        ScaleRule::Groups { .. } => (view.group / BLOCK).max(1),
+    };
+    let groups = blocks.div_ceil(gblocks);
+    let panels = batch.div_ceil(lanes);
+    let xsums = match mins {
+        Some(_) => panel.group_sums(batch, gblocks),
+        None => Vec::new(),
+    };
+    let term = |r: usize, b: usize| match (mins, xsums.get(b * groups..(b + 1) * groups)) {
+        (Some(m), Some(sx)) => m
+            .get(r * groups..(r + 1) * groups)
+            .map_or(0.0, |m| dot(m, sx)),
+        _ => 0.0,
+    };
+    super::run_tasks(
+        yt,
+        batch * ROWS,
+        batch * rows * cols,
+        || Rows::new(kp, groups),
+        |s, (task, out)| {
+            let first = task * ROWS;
+            let n = (out.len() / batch).min(rows.saturating_sub(first));
+            s.load(kind, view, first, n);
+            for m in 0..n.div_ceil(MR) {
+                let e = Eight::of(s, m);
+                for k in 0..panels {
+                    let d = dots(kind, &e, gblocks, &panel, k);
+                    for (r, dr) in d.iter().enumerate() {
+                        let row = m * MR + r;
+                        if row >= n {
+                            break;
+                        }
+                        let Some(yr) = out.get_mut(row * batch..(row + 1) * batch) else {
+                            continue;
+                        };
+                        let ys = yr.get_mut(k * lanes..).unwrap_or(&mut []);
+                        for (l, (o, &v)) in ys.iter_mut().zip(dr.iter().take(lanes)).enumerate() {
+                            *o = match mins {
+                                Some(_) => v + term(first + row, k * lanes + l),
+                                None => v,
+                            };
+                        }
+                    }
+                }
+            }
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tiles::tests::{kinds, xorshift};
+    use super::*;
+
+    /// Every kind of tile the CPU runs gives the bits of [`reference`], on rows with
+    /// several groups and the extreme codes and activations.
+    #[test]
+    fn simd_tiles8_give_the_reference_bits() {
+        let kinds = kinds("simd_tiles8_give_the_reference_bits");
+        let mut next = xorshift(0x9e37_79b9);
+        let cols = 5 * BLOCK - 7;
+        let batch = 21;
+        let x: Vec<f32> = (0..batch * cols)
+            .map(|_| match next() % 6 {
+                0 => 3.5,
+                1 => -3.5,
+                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
+            })
+            .collect();
+        let unbiased: Vec<i8> = (0..ROWS * 5 * BLOCK)
+            .map(|_| match next() % 5 {
+                0 => -128,
+                1 => 127,
+                _ => (next() % 256) as u8 as i8,
+            })
+            .collect();
+        for gblocks in [1, 2, 5] {
+            let groups = 5usize.div_ceil(gblocks);
+            let scales: Vec<f32> = (0..ROWS * groups)
+                .map(|_| (next() % 1000) as f32 / 997.0 - 0.3)
+                .collect();
+            for &kind in &kinds {
+                let biased = !matches!(kind, Kind::Avx2(_));
+                for nibbles in [false, true] {
+                    let panel = Panel::new(&x, batch, cols, nibbles, kind.lanes());
+                    let s = Rows {
+                        kp: panel.kp,
+                        groups,
+                        codes: unbiased
+                            .iter()
+                            .map(|&c| if biased { c ^ i8::MIN } else { c })
+                            .collect(),
+                        scales: scales.clone(),
+                    };
+                    for m in 0..ROWS / MR {
+                        let e = Eight::of(&s, m);
+                        for k in 0..batch.div_ceil(kind.lanes()) {
+                            let got = dots(kind, &e, gblocks, &panel, k);
+                            let (xq, step, _) = panel.block(k);
+                            let want = reference(kind.lanes(), &e, gblocks, 5, xq, step, biased);
+                            let bits = |v: [[f32; LANES]; MR]| -> Vec<u32> {
+                                v.iter().flatten().map(|f| f.to_bits()).collect()
+                            };
+                            assert_eq!(bits(got), bits(want), "{kind:?}, rows {m}, block {k}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The panel holds each block rounded with its own step, in the asked order, and the
+    /// bias is `128 · Σ q`.
+    #[test]
+    fn the_panel_is_each_block_rounded_with_its_step() {
+        let cols = 40;
+        let x: Vec<f32> = (0..2 * cols).map(|i| (i as f32 - 30.0) / 7.0).collect();
+        for nibbles in [false, true] {
+            let p = Panel::new(&x, 2, cols, nibbles, 8);
+            assert_eq!(p.kp, 64);
+            for b in 0..2 {
+                for c in 0..2 {
+                    let vals =
+                        &x[b * cols + c * BLOCK..(b * cols + (c + 1) * BLOCK).min((b + 1) * cols)];
+                    let absmax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let at = c * 8 + b;
+                    assert_eq!(p.step[at], absmax / 127.0);
+                    let mut sum = 0;
+                    let inv = 127.0 / absmax;
+                    for (i, &v) in vals.iter().enumerate() {
+                        let slot = if nibbles { nibble_slot(i) } else { i };
+                        let unit = p.q[(c * QUADS + slot / 4) * 8 + b];
+                        let q = (unit >> (8 * (slot % 4))) as u8 as i8;
+                        assert_eq!(q, (v * inv).round().clamp(-127.0, 127.0) as i8);
+                        assert!((f32::from(q) * p.step[at] - v).abs() <= p.step[at] / 2.0 * 1.0001);
+                        sum += i32::from(q);
+                    }
+                    assert_eq!(p.bias[at], 128 * sum);
+                }
+            }
+        }
+    }
+}
