@@ -790,6 +790,13 @@ impl<'a> RowsView<'a> {
 ///   groups are accumulated in order with one `fma` each, so these outputs are not the
 ///   same bits as at batch 7 or less, but are within the same bound and the same on every
 ///   SIMD tier.
+/// - **8-bit activations** ([`Activations::Block8`], the default for the 4-bit formats at
+///   batches of 8 and more on the SIMD tiers): each block of 32 values of an `x` row is
+///   rounded to 8 bits with its own step (`x ≈ s_c · q`, `s_c = absmax_c / 127`); the
+///   tiles sum each block's byte products exactly in `i32` (`vpdpbusd` on the VNNI tiers)
+///   and accumulate `fma(sum, s_c, ·)` a block and `fma(·, scale, ·)` a group, the same bits
+///   on every SIMD tier, within [`error_bound_block8`]. The 8-bit formats keep 14-bit
+///   activations unless asked ([`matmul_into_using`], `COMPRESSME_ACTIVATIONS`).
 /// - **`F16` and `Bf16`** are converted to f32 eight at a time (F16C) and multiplied in
 ///   f32: they store less, they do not compute less.
 /// - A row of `x` holding NaN or infinity is multiplied in f32 against each decoded row,

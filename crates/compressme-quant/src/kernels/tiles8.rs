@@ -37,16 +37,19 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256i, _mm256_abs_epi8, _mm256_add_epi32, _mm256_cvtepi32_ps, _mm256_dpbusd_avx_epi32,
-    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_maddubs_epi16,
-    _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
-    _mm256_sign_epi8, _mm256_storeu_ps, _mm256_sub_epi32, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32,
-    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps,
-    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps, _mm512_sub_epi32,
+    __m256i, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32, _mm256_cvtepi32_ps,
+    _mm256_dpbusd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
+    _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps,
+    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_sign_epi8, _mm256_storeu_ps, _mm256_sub_epi32,
+    _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32,
+    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_permutex2var_epi64,
+    _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi64, _mm512_setzero_ps,
+    _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_srli_epi16, _mm512_storeu_ps,
+    _mm512_storeu_si512, _mm512_sub_epi32,
 };
 
 use super::tiles::{Kind, ROWS};
-use super::{RowsView, ScaleRule, avx2, nibble_slot};
+use super::{RowsView, ScaleRule, avx2};
 
 /// Columns of `x` that share one 8-bit step.
 const BLOCK: usize = super::BLOCK8;
@@ -65,6 +68,30 @@ fn round8(q: f32) -> i8 {
     let frac = q - t as f32;
     let r = t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5);
     r.clamp(-127, 127) as i8
+}
+
+/// Where value `i` of a block goes in nibble order ([`super::nibble_slot`] within a block).
+const NIBBLE_SLOTS: [usize; BLOCK] = {
+    let mut t = [0; BLOCK];
+    let mut i = 0;
+    while i < BLOCK {
+        t[i] = (i % 2) * (BLOCK / 2) + i / 2;
+        i += 1;
+    }
+    t
+};
+
+/// The largest magnitude of a block, in eight lanes (so it vectorizes; the maximum does
+/// not depend on the order).
+#[inline]
+fn absmax(v: &[f32; BLOCK]) -> f32 {
+    let mut m = [0f32; 8];
+    for c in v.chunks_exact(8) {
+        for (a, &x) in m.iter_mut().zip(c) {
+            *a = a.max(x.abs());
+        }
+    }
+    m.iter().fold(0f32, |a, &b| a.max(b))
 }
 
 /// Whether a matrix takes these tiles: a per-row format, or groups of whole blocks.
@@ -101,19 +128,30 @@ impl Panel {
         let mut step = vec![0f32; panels * blocks * lanes];
         let mut bias = vec![0i32; panels * blocks * lanes];
         let mut sums = vec![0f32; batch * blocks];
-        let mut bytes = [0i8; BLOCK];
         for (b, row) in x.chunks_exact(cols.max(1)).take(batch).enumerate() {
             let (k, l) = (b / lanes, b % lanes);
             for (c, vals) in row.chunks(BLOCK).enumerate() {
-                let absmax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
-                bytes.fill(0);
+                let mut v = [0f32; BLOCK];
+                for (o, &x) in v.iter_mut().zip(vals) {
+                    *o = x;
+                }
+                let absmax = absmax(&v);
+                let mut natural = [0i8; BLOCK];
                 if absmax > 0.0 {
                     let inv = 127.0 / absmax;
-                    for (i, &v) in vals.iter().enumerate() {
-                        let slot = if nibbles { nibble_slot(i) } else { i };
-                        bytes[slot] = round8(v * inv);
+                    for (o, &x) in natural.iter_mut().zip(&v) {
+                        *o = round8(x * inv);
                     }
                 }
+                let bytes = if nibbles {
+                    let mut out = [0i8; BLOCK];
+                    for (&slot, &q) in NIBBLE_SLOTS.iter().zip(&natural) {
+                        out[slot % BLOCK] = q;
+                    }
+                    out
+                } else {
+                    natural
+                };
                 let at = (k * blocks + c) * lanes + l;
                 let qsum = bytes.iter().map(|&v| i32::from(v)).sum::<i32>();
                 if let (Some(s), Some(o), Some(t)) = (
@@ -210,7 +248,7 @@ impl Rows {
                     } else {
                         *lut
                     };
-                    avx2::decode_nibbles(kind.avx2(), codes, &lut, row);
+                    decode_nibbles(kind, codes, &lut, row);
                 }
                 None => {
                     for (o, &c) in row.iter_mut().zip(codes) {
@@ -222,6 +260,48 @@ impl Rows {
             for (g, o) in self.scales[k * ng..(k + 1) * ng].iter_mut().enumerate() {
                 *o = scales.get(g);
             }
+        }
+    }
+}
+
+/// 4-bit indices through `lut` into `out` in nibble order, as [`avx2::decode_nibbles`]
+/// (which does the rest): the AVX-512 tier 64 code bytes at a time.
+fn decode_nibbles(kind: Kind, codes: &[u8], lut: &[i8; 16], out: &mut [i8]) {
+    let mut done = 0;
+    if let Kind::Avx512(t) = kind {
+        let chunks = codes.len().min(out.len() / 2) / 64;
+        let _ = t;
+        // SAFETY: the token proves AVX-512 F and BW; the loop stays within `chunks`
+        // whole chunks of both slices.
+        unsafe { decode_nibbles_avx512(codes, lut, out, chunks) };
+        done = 64 * chunks;
+    }
+    if let (Some(c), Some(o)) = (codes.get(done..), out.get_mut(2 * done..)) {
+        avx2::decode_nibbles(kind.avx2(), c, lut, o);
+    }
+}
+
+/// # Safety
+/// AVX-512 F and BW present; `codes.len() >= 64 · chunks`, `out.len() >= 128 · chunks`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn decode_nibbles_avx512(codes: &[u8], lut: &[i8; 16], out: &mut [i8], chunks: usize) {
+    // SAFETY: `lut` is 16 bytes
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(lut.as_ptr().cast()) });
+    let low = _mm512_set1_epi8(0x0f);
+    // each 16-byte run's low nibbles' values, then its high nibbles': 128-bit lanes
+    // (lo 0, hi 0, lo 1, hi 1) and (lo 2, hi 2, lo 3, hi 3), in 64-bit indices
+    let first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    let second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for i in 0..chunks {
+        // SAFETY: i < chunks: bytes 64i..64i + 64 of `codes` are in range
+        let b = unsafe { _mm512_loadu_si512(codes.as_ptr().add(64 * i).cast()) };
+        let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low));
+        let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(b), low));
+        // SAFETY: i < chunks: outputs 128i..128i + 128 are in range
+        unsafe {
+            let o = out.as_mut_ptr().add(128 * i);
+            _mm512_storeu_si512(o.cast(), _mm512_permutex2var_epi64(lo, first, hi));
+            _mm512_storeu_si512(o.add(64).cast(), _mm512_permutex2var_epi64(lo, second, hi));
         }
     }
 }
@@ -537,6 +617,7 @@ pub(super) fn run(
 
 #[cfg(test)]
 mod tests {
+    use super::super::nibble_slot;
     use super::super::tiles::tests::{kinds, xorshift};
     use super::*;
 
@@ -593,6 +674,24 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Every tier's nibble decode gives the portable decode's bytes, on rows of every
+    /// length up to a few 64-byte chunks.
+    #[test]
+    fn nibble_decode_matches_the_portable_one() {
+        let mut next = xorshift(0x1234_5678);
+        let lut: [i8; 16] = std::array::from_fn(|i| (9 * i as i32 - 70) as i8);
+        for &kind in &kinds("nibble_decode_matches_the_portable_one") {
+            for len in 0..200 {
+                let codes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                let mut want = vec![7i8; 2 * len + 5];
+                super::super::portable::decode_nibbles(&codes, &lut, &mut want);
+                let mut got = vec![7i8; 2 * len + 5];
+                decode_nibbles(kind, &codes, &lut, &mut got);
+                assert_eq!(got, want, "{kind:?}, {len} bytes");
             }
         }
     }
