@@ -4,15 +4,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use common::{root, run};
+use common::{Scratch, root, run};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cm-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("cm-cli-{name}"))
 }
 
 /// Every tensor of `a` is in `b` with the same dtype, shape and bytes.
@@ -123,7 +120,6 @@ fn tiny_bert_round_trip_and_inspect() {
         assert!(ok, "{err}");
     }
     assert!(std::fs::read(&art).unwrap() == std::fs::read(&paranoid).unwrap());
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -196,7 +192,6 @@ fn errors_are_clear_and_leave_no_output() {
     assert!(!ok);
     assert!(err.contains("tensor `"), "{err}");
     std::fs::remove_file(&plan).unwrap();
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -218,7 +213,6 @@ fn minilm_round_trip_is_byte_identical() {
         "MiniLM lossless: {n} tensors byte-identical after pack/unpack, stored/dense {ratio:.4}"
     );
     assert!(ratio < 0.83, "{ratio}");
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// profile -> plan (budget, thresholds, shuffled) -> pack --plan -> verify, on MiniLM.
@@ -350,7 +344,6 @@ fn profile_plan_pack_on_minilm() {
     assert!((0.0..=1.0).contains(&agree));
     let (ok, _, err) = run(&["evaluate", &p("a.cma"), "--data", heldout.to_str().unwrap()]);
     assert!(!ok && err.contains("--reference"), "{err}");
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// A checkpoint with a tensor of values around 1e6 (finite in f32, past f16's 65,504)
@@ -440,7 +433,6 @@ fn formats_that_cannot_hold_the_values_are_refused_and_empty_tensors_stay_dense(
     }
     let (ok, _, err) = run(&["pack", inp, "--lossless", "-o", &p("lossless.cma")]);
     assert!(ok, "{err}");
-    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// `pack` prepares tensors in parallel and writes them in order, and `unpack` writes
@@ -499,5 +491,4 @@ fn pack_and_unpack_do_not_depend_on_the_thread_count() {
         .unwrap()
         .len();
     assert_eq!(same_tensors(&input, &d.join("t1.safetensors")), n);
-    std::fs::remove_dir_all(&d).unwrap();
 }

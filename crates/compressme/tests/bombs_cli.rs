@@ -11,10 +11,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::run;
+use common::{Scratch, run};
 
 use compressme::artifact::recipe::{
     FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe, TensorRecipe,
@@ -23,11 +23,8 @@ use compressme::artifact::recipe::{
 use compressme::artifact::{Dtype, Planned, header_bytes};
 use sha2::{Digest, Sha256};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cm-bombs-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("cm-bombs-{name}"))
 }
 
 /// A block store of f32 rows (value kind tag 1) whose every block has all four byte
@@ -198,5 +195,4 @@ fn decompression_bombs_are_refused_before_decoding() {
         peak < 200 << 20,
         "verify of a 256 MiB tensor peaked at {peak} bytes"
     );
-    std::fs::remove_dir_all(&d).unwrap();
 }

@@ -9,15 +9,14 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cm-interrupt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+use common::Scratch;
+
+fn tmp(name: &str) -> Scratch {
+    Scratch::new(&format!("cm-interrupt-{name}"))
 }
 
 /// A safetensors checkpoint of eight f32 tensors of 16 MiB each (smooth values with
@@ -155,5 +154,4 @@ fn interrupted_pack_and_unpack_leave_no_temporary_file() {
         .collect();
     want.sort();
     assert_eq!(left, want);
-    std::fs::remove_dir_all(&d).unwrap();
 }

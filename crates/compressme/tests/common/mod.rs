@@ -43,6 +43,12 @@ impl std::ops::Deref for Scratch {
     }
 }
 
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         if !(self.keep_on_failure && std::thread::panicking()) {
