@@ -494,10 +494,27 @@ struct FixedX {
 /// so is `q - trunc(q)` in f32 (two values less than 1 apart).
 #[inline]
 fn round_fixed(q: f32) -> i16 {
+    // a no-op for the values the kernels make; keeps any other value's truncation in range
+    let q = q.clamp(-(X_MAX + 1.0), X_MAX + 1.0);
     let t = q as i32;
     let frac = q - t as f32;
     let r = t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5);
     r.clamp(-(X_MAX as i32), X_MAX as i32) as i16
+}
+
+/// `(pre, inv)` so that `(v · pre) · inv` is `v · max / absmax` for `|v| <= absmax`
+/// without overflow: `pre = 1` (the product is then `v · inv` exactly) unless `max / absmax`
+/// is infinite (an `absmax` below about `max / 3.4e38`, subnormal activations), when `v`
+/// and `absmax` are first scaled by `2^100`, exactly.
+#[inline]
+fn prescale(absmax: f32, max: f32) -> (f32, f32) {
+    let inv = max / absmax;
+    if inv.is_finite() {
+        (1.0, inv)
+    } else {
+        let pre = f32::from_bits((127 + 100) << 23);
+        (pre, max / (absmax * pre))
+    }
 }
 
 /// Where value `j` of a row goes in nibble order.
@@ -519,8 +536,8 @@ impl FixedX {
             }
             let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             if absmax > 0.0 {
-                let inv = X_MAX / absmax;
-                let fixed = |v: f32| round_fixed(v * inv);
+                let (pre, inv) = prescale(absmax, X_MAX);
+                let fixed = |v: f32| round_fixed((v * pre) * inv);
                 if nibbles {
                     // each block of 32: the even positions, then the odd ones
                     let blocks = row.chunks_exact(NIBBLE_BLOCK);
@@ -1338,10 +1355,36 @@ mod tests {
         }
         for bits in (0..u32::MAX).step_by(9973) {
             let v = f32::from_bits(bits);
-            if v.is_finite() && v.abs() <= 8200.0 {
+            if v.is_finite() {
                 assert_eq!(round_fixed(v), want(v), "{v}");
             }
         }
+        // far out of range: clamped, no overflow
+        assert_eq!(round_fixed(f32::INFINITY), X_MAX as i16);
+        assert_eq!(round_fixed(f32::NEG_INFINITY), -(X_MAX as i16));
+        assert_eq!(round_fixed(f32::NAN), 0);
+    }
+
+    /// Rows whose largest value is subnormal or nearly so round as any other row: the
+    /// largest to the largest code, the others in proportion (no overflow, no panic).
+    #[test]
+    fn tiny_activations_round_in_proportion() {
+        for absmax in [f32::from_bits(1), 1e-40, 3e-39, 1e-36, 2e-35, 1e-30] {
+            let x = [absmax, -absmax, absmax / 2.0, 0.0];
+            let fx = FixedX::new(&x, 1, 4, false).unwrap();
+            let q = fx.row(0);
+            assert_eq!((q[0], q[1], q[3]), (8191, -8191, 0), "{absmax:e}");
+            // a half of a subnormal is not always exact: against the value it is
+            let want = (f64::from(x[2]) / f64::from(absmax) * 8191.0).round();
+            assert!(
+                (f64::from(q[2]) - want).abs() <= 1.0,
+                "{absmax:e}: {}",
+                q[2]
+            );
+            assert_eq!(fx.d[0], absmax / X_MAX);
+        }
+        // a normal row: no pre-scaling
+        assert_eq!(prescale(2.0, X_MAX), (1.0, X_MAX / 2.0));
     }
 
     /// `FixedX` rows are each value times `8191 / absmax`, rounded half away from zero,

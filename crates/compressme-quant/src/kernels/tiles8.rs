@@ -49,7 +49,7 @@ use std::arch::x86_64::{
 };
 
 use super::tiles::{Kind, ROWS};
-use super::{RowsView, ScaleRule, avx2};
+use super::{RowsView, ScaleRule, avx2, prescale};
 
 /// Columns of `x` that share one 8-bit step.
 const BLOCK: usize = super::BLOCK8;
@@ -64,6 +64,8 @@ const LANES: usize = 16;
 /// (rounding half away from zero, as [`super::round_fixed`] does).
 #[inline]
 fn round8(q: f32) -> i8 {
+    // a no-op for the values made here; keeps any other value's truncation in range
+    let q = q.clamp(-128.0, 128.0);
     let t = q as i32;
     let frac = q - t as f32;
     let r = t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5);
@@ -138,9 +140,9 @@ impl Panel {
                 let absmax = absmax(&v);
                 let mut natural = [0i8; BLOCK];
                 if absmax > 0.0 {
-                    let inv = 127.0 / absmax;
+                    let (pre, inv) = prescale(absmax, 127.0);
                     for (o, &x) in natural.iter_mut().zip(&v) {
-                        *o = round8(x * inv);
+                        *o = round8((x * pre) * inv);
                     }
                 }
                 let bytes = if nibbles {
@@ -694,6 +696,25 @@ mod tests {
                 assert_eq!(got, want, "{kind:?}, {len} bytes");
             }
         }
+    }
+
+    /// Blocks whose largest value is subnormal round as any other block (no overflow, no
+    /// panic), and a value far out of range clamps.
+    #[test]
+    fn tiny_blocks_round_in_proportion() {
+        for absmax in [f32::from_bits(1), 1e-40, 1e-37, 1e-30] {
+            let x = [absmax, -absmax, 0.0, absmax];
+            let p = Panel::new(&x, 1, 4, false, 8);
+            assert_eq!(
+                p.q[0].to_le_bytes().map(|b| b as i8),
+                [127, -127, 0, 127],
+                "{absmax:e}"
+            );
+            assert_eq!(p.step[0], absmax / 127.0);
+        }
+        assert_eq!(round8(f32::INFINITY), 127);
+        assert_eq!(round8(f32::NEG_INFINITY), -127);
+        assert_eq!(round8(f32::NAN), 0);
     }
 
     /// The panel holds each block rounded with its own step, in the asked order, and the

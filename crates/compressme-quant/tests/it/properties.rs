@@ -575,6 +575,49 @@ fn activations_are_chosen_by_name_and_change_only_batches_of_8_and_more() {
     }
 }
 
+/// Activations below about 1e-35 (where `8191 / absmax` overflows f32) are multiplied as
+/// any others, on every backend, tier and choice of activations: the same as the same
+/// activations scaled up by `2^100`, scaled back (until stop 29 such a row overflowed an
+/// `i32`: a panic in a debug build, wrong signs in a release build).
+#[test]
+fn tiny_activations_multiply_as_any_others() {
+    let (rows, cols) = (5, 96);
+    let w = matrix("gaussian", rows, cols, 11);
+    let up = 2f32.powi(100);
+    for format in all_formats() {
+        let q = quantize(&w, rows, cols, format).unwrap();
+        for batch in [1, 3, 9] {
+            let x: Vec<f32> = matrix("gaussian", batch, cols, 12)
+                .into_iter()
+                .map(|v| v * 1e-38)
+                .collect();
+            let big: Vec<f32> = x.iter().map(|v| v * up).collect();
+            for backend in supported_tiers()
+                .into_iter()
+                .map(Backend::Tier)
+                .chain([Backend::Auto])
+            {
+                for a in [Activations::Fixed14, Activations::Block8] {
+                    let run = |x: &[f32]| {
+                        let mut y = vec![0f32; batch * rows];
+                        matmul_into_using(backend, a, x, batch, &q, &mut y).unwrap();
+                        y
+                    };
+                    let (small, large) = (run(&x), run(&big));
+                    for (s, l) in small.iter().zip(&large) {
+                        let s = f64::from(*s) * f64::from(up);
+                        let l = f64::from(*l);
+                        assert!(
+                            (s - l).abs() <= 1e-4 * l.abs() + 1e-4,
+                            "{format:?}, batch {batch}, {backend:?}, {a:?}: {s} vs {l}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A NaN or infinite activation reaches the outputs of its own row, as it would in a
 /// dense multiplication, and no other row.
 #[test]
