@@ -1,10 +1,12 @@
 //! One format's product (4096 x 4096) on each SIMD tier, interleaved, for profiling a
 //! kernel: `cargo run --release -p compressme-benches --example tier_probe -- FORMAT
-//! [REPS [TIER|all [BATCH]]]` (defaults `nf4-g64 200 all 1`); prints each tier's best time.
+//! [REPS [TIER|all [BATCH [ACTIVATIONS]]]]` (defaults `nf4-g64 200 all 1 auto`;
+//! ACTIVATIONS is `auto`, `14`, `8` or `both`, the last interleaving 14- and 8-bit
+//! activations); prints each tier's best time.
 use std::time::Instant;
 
 use compressme_quant::synthetic::{MatrixKind, matrix};
-use compressme_quant::{Backend, Format, Tier, matmul_with, quantize};
+use compressme_quant::{Activations, Backend, Format, Tier, matmul_into_using, quantize};
 
 fn main() -> Result<(), String> {
     let mut args = std::env::args().skip(1);
@@ -18,27 +20,36 @@ fn main() -> Result<(), String> {
         .next()
         .map_or(Ok(1), |b| b.parse())
         .map_err(|e| format!("{e}"))?;
+    let acts: Vec<Activations> = match args.next().as_deref() {
+        None => vec![Activations::Auto],
+        Some("both") => vec![Activations::Fixed14, Activations::Block8],
+        Some(a) => vec![Activations::from_name(a).ok_or(format!("activations {a}?"))?],
+    };
     let format = Format::parse(&name).map_err(|e| e.to_string())?;
     let n = 4096;
     let w = quantize(&matrix(MatrixKind::Gaussian, n, n, 1), n, n, format)
         .map_err(|e| e.to_string())?;
     let x = matrix(MatrixKind::Gaussian, batch, n, 2);
-    let tiers: Vec<Tier> = Tier::ALL
+    let mut y = vec![0f32; batch * n];
+    let runs: Vec<(Tier, Activations)> = Tier::ALL
         .into_iter()
         .filter(|t| *t != Tier::Portable && t.supported())
         .filter(|t| only.as_deref().is_none_or(|o| o == t.name()))
+        .flat_map(|t| acts.iter().map(move |&a| (t, a)))
         .collect();
-    let mut best = vec![f64::MAX; tiers.len()];
+    let mut best = vec![f64::MAX; runs.len()];
     for _ in 0..reps {
-        for (b, &t) in best.iter_mut().zip(&tiers) {
+        for (b, &(t, a)) in best.iter_mut().zip(&runs) {
             let s = Instant::now();
-            matmul_with(Backend::Tier(t), &x, batch, &w).map_err(|e| e.to_string())?;
+            matmul_into_using(Backend::Tier(t), a, &x, batch, &w, &mut y)
+                .map_err(|e| e.to_string())?;
             *b = b.min(s.elapsed().as_secs_f64());
         }
     }
-    for (b, t) in best.iter().zip(&tiers) {
+    for (b, (t, a)) in best.iter().zip(&runs) {
         println!(
-            "{name} [{t}] batch {batch}: {:.3} ms (best of {reps})",
+            "{name} [{t}] batch {batch}, activations {}: {:.3} ms (best of {reps})",
+            a.name(),
             1e3 * b
         );
     }

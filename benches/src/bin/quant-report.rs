@@ -22,10 +22,10 @@
 //! repetitions), so it is cached or not exactly as the weights are. The CPU's features and
 //! candle's kernel path are printed above the table.
 //!
-//! The integer formats run a second time at batch 32 with 8-bit activations
-//! (`Activations::Block8`, rows marked `x8`; `--activations 14` leaves them out, `8` keeps
-//! only them beside the half formats); batch 1 always runs 14-bit activations, so those
-//! rows leave it blank.
+//! The integer formats run a second time with 8-bit activations (`Activations::Block8`,
+//! rows marked `x8`; `--activations 14` leaves them out, `8` keeps only them beside the
+//! half formats); the 8-bit formats run batch 1 on 14-bit activations either way, so
+//! their `x8` rows leave it blank.
 
 use std::time::{Duration, Instant};
 
@@ -52,7 +52,7 @@ struct Args {
     threads: usize,
     rounds: usize,
     tiers: Vec<Tier>,
-    /// Which activations the integer formats run at batch 32.
+    /// Which activations the integer formats run.
     activations: Vec<Activations>,
 }
 
@@ -314,8 +314,11 @@ fn main() -> Fallible<()> {
                 let Some(row) = rows.get_mut((k + round) % n) else {
                     continue;
                 };
-                if batch == 1 && matches!(row.kernel, Kernel::Ours(_, _, Activations::Block8)) {
-                    // a single row runs 14-bit activations: the other row's time
+                if batch == 1
+                    && matches!(&row.kernel, Kernel::Ours(p, _, Activations::Block8) if p.format().code_bits() != 4)
+                {
+                    // the 8-bit formats run a single row on 14-bit activations: the other
+                    // row's time
                     continue;
                 }
                 let mut y = vec![0f32; batch * N];

@@ -9,8 +9,9 @@
 //! [`quantize`] refuses non-finite weights and empty shapes; [`Packed::dequantize_into`],
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
 //! computes `x W^T` reading the packed bytes (integer sums for the integer formats with
-//! activations rounded to 14 bits, or, for the 4-bit formats at batches of 8 and more, to
-//! 8 bits per block of 32: see [`Activations`]), never holding `W` in f32, on all cores, on the fastest
+//! activations rounded to 14 bits, or, for the 4-bit formats, to 8 bits per block of 32,
+//! a row of `x` the same bits at any batch: see [`Activations`]), never holding `W` in f32,
+//! on all cores, on the fastest
 //! [`Tier`] the CPU has (AVX-512 VNNI, AVX-VNNI, AVX2, or portable Rust; `COMPRESSME_KERNEL`
 //! forces one, see [`kernel_tier`]), every SIMD tier giving the same bits (batches of 8 or
 //! more run on tiles, one `x` row a vector lane), and [`matmul_into`] writes the same bits

@@ -70,8 +70,8 @@ fn packed_linear_matches_its_dequantized_weights() {
                         0.0
                     };
                     let (xr, wr) = (&xv[i * inp..(i + 1) * inp], &deq[r * inp..(r + 1) * inp]);
-                    // the 4-bit formats round activations to 8 bits a block at 8 rows and more
-                    let block8 = if format.code_bits() == 4 && rows >= 8 {
+                    // the 4-bit formats round activations to 8 bits a block (every batch)
+                    let block8 = if format.code_bits() == 4 {
                         error_bound_block8(xr, wr, nf4)
                     } else {
                         0.0

@@ -39,6 +39,8 @@ mod avx512;
 mod avxvnni;
 mod portable;
 #[cfg(target_arch = "x86_64")]
+mod rows8;
+#[cfg(target_arch = "x86_64")]
 mod split;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
@@ -195,8 +197,8 @@ pub fn kernel_tier() -> Result<Tier> {
         .map_err(Error::Kernel)
 }
 
-/// How the integer kernels round activations at batches of 8 and more on the SIMD tiers
-/// (a batch of 7 or less, the portable tier and F16/BF16 always run 14-bit activations).
+/// How the integer kernels round activations on the SIMD tiers (the portable tier and
+/// F16/BF16 always run 14-bit activations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Activations {
@@ -210,8 +212,10 @@ pub enum Activations {
     /// Each block of 32 values of a row in 8 bits with its own step, as llama.cpp's and
     /// candle's Q8 activations: the tiles multiply bytes by bytes (`vpdpbusd` on the VNNI
     /// tiers, 64 products an instruction on AVX-512 against 32 for 14-bit activations),
-    /// within [`error_bound_block8`]. Formats whose groups are not whole blocks of 32
-    /// keep 14-bit activations.
+    /// within [`error_bound_block8`]. A row of `x` gives the same bits in a batch of any
+    /// size for the 4-bit formats (batches of 7 or less run their own kernel with the
+    /// tiles' arithmetic); the 8-bit formats take 8-bit activations at batches of 8 and
+    /// more only. Formats whose groups are not whole blocks of 32 keep 14-bit activations.
     Block8,
 }
 
@@ -808,12 +812,17 @@ impl<'a> RowsView<'a> {
 ///   same bits as at batch 7 or less, but are within the same bound and the same on every
 ///   SIMD tier.
 /// - **8-bit activations** ([`Activations::Block8`], the default for the 4-bit formats at
-///   batches of 8 and more on the SIMD tiers): each block of 32 values of an `x` row is
-///   rounded to 8 bits with its own step (`x ≈ s_c · q`, `s_c = absmax_c / 127`); the
-///   tiles sum each block's byte products exactly in `i32` (`vpdpbusd` on the VNNI tiers)
-///   and accumulate `fma(sum, s_c, ·)` a block and `fma(·, scale, ·)` a group, the same bits
-///   on every SIMD tier, within [`error_bound_block8`]. The 8-bit formats keep 14-bit
-///   activations unless asked ([`matmul_into_using`], `COMPRESSME_ACTIVATIONS`).
+///   every batch on the SIMD tiers): each block of 32 values of an `x` row is rounded to 8
+///   bits with its own step (`x ≈ s_c · q`, `s_c = absmax_c / 127`); each block's byte
+///   products are summed exactly in `i32` (`vpdpbusd` on the VNNI tiers) and accumulated
+///   `fma(sum, s_c, ·)` a block and `fma(·, scale, ·)` a group, the same bits on every SIMD
+///   tier, within [`error_bound_block8`]. A batch of 8 or more runs the tiles (an `x` row a
+///   vector lane); a batch of 7 or less reads the stored codes in place, a weight row a
+///   lane, with the same arithmetic: for the 4-bit formats a row of `x` gives the same
+///   output bits alone, in a batch of 7 or in a batch of 500 (unless another row of the
+///   batch holds a NaN or an infinity, which sends the whole batch to the 14-bit path).
+///   The 8-bit formats keep 14-bit activations unless asked ([`matmul_into_using`],
+///   `COMPRESSME_ACTIVATIONS`), and asked, take 8 bits at batches of 8 and more only.
 /// - **`F16` and `Bf16`** are converted to f32 eight at a time (F16C) and multiplied in
 ///   f32: they store less, they do not compute less.
 /// - A row of `x` holding NaN or infinity is multiplied in f32 against each decoded row,
@@ -903,8 +912,7 @@ pub fn matmul_into_using(
     let half = matches!(w.format(), Format::F16 | Format::Bf16);
     let block8 = activations == Activations::Block8
         && !half
-        && batch >= BLOCK8_MIN_BATCH
-        && block8_runs(isa, w)
+        && block8_runs(isa, w, batch)
         && x.iter().all(|v| v.is_finite());
     let nibbles = w.format().code_bits() == 4;
     let fixed = if half || block8 {
@@ -1057,23 +1065,25 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     );
 }
 
-/// The smallest batch [`Activations::Block8`] applies to (the tiles' smallest).
-const BLOCK8_MIN_BATCH: usize = 8;
-
-/// Whether [`Activations::Block8`] runs for `w` on `isa`: a SIMD tier, and groups of
-/// whole blocks of 32 (or one scale a row).
-fn block8_runs(isa: Isa, w: &Packed) -> bool {
+/// Whether [`Activations::Block8`] runs for `w` at `batch` on `isa`: a SIMD tier, groups
+/// of whole blocks of 32 (or one scale a row), and a batch the tiles take (8 or more) or
+/// a 4-bit format (any batch).
+fn block8_runs(isa: Isa, w: &Packed, batch: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     if isa.tiles().is_some() {
         let view = RowsView::new(w, w.cols());
-        return tiles8::fits(&view);
+        return match batch {
+            0..=rows8::MAX_BATCH => rows8::fits(&view),
+            _ => tiles8::fits(&view),
+        };
     }
-    let _ = (isa, w);
+    let _ = (isa, w, batch);
     false
 }
 
-/// An integer matrix against 8 or more rows of finite `x` rounded to 8 bits a block (see
-/// [`Activations::Block8`]), on the tiles; `yt` is `[rows, batch]`.
+/// An integer matrix against rows of finite `x` rounded to 8 bits a block (see
+/// [`Activations::Block8`]): 8 or more on the tiles, fewer a weight row a lane (the same
+/// bits); `yt` is `[rows, batch]`.
 fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if let Some(kind) = isa.tiles() {
@@ -1083,7 +1093,11 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
         // INT4's minimums, one a group of each row
         let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
         let dot = |a: &[f32], b: &[f32]| isa.dot_f32(a, b);
-        tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, &dot);
+        if batch <= rows8::MAX_BATCH {
+            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, &dot);
+        } else {
+            tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, &dot);
+        }
         return;
     }
     // not reached: `block8_runs` is false off the SIMD tiers

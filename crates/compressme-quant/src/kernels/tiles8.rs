@@ -108,7 +108,7 @@ pub(super) fn fits(view: &RowsView<'_>) -> bool {
 pub(super) struct Panel {
     lanes: usize,
     /// Columns, padded to whole blocks.
-    kp: usize,
+    pub(super) kp: usize,
     /// Unit `(k · kp / 4 + u) · lanes + l`: row `k · lanes + l`'s bytes `4u..4u + 4`.
     q: Vec<u32>,
     /// `(k · blocks + c) · lanes + l`: that row's step in block `c`.
@@ -186,7 +186,7 @@ impl Panel {
 
     /// Per row, the rounded `x`'s sum over each group of `gblocks` blocks (for
     /// `Int4Block`'s minimums), the blocks added in order.
-    fn group_sums(&self, batch: usize, gblocks: usize) -> Vec<f32> {
+    pub(super) fn group_sums(&self, batch: usize, gblocks: usize) -> Vec<f32> {
         let blocks = self.blocks();
         let gblocks = gblocks.max(1);
         let mut out = Vec::with_capacity(batch * blocks.div_ceil(gblocks));
@@ -200,12 +200,12 @@ impl Panel {
         out
     }
 
-    fn blocks(&self) -> usize {
+    pub(super) fn blocks(&self) -> usize {
         self.kp / BLOCK
     }
 
     /// Block `k` of rows: its units, steps and biases.
-    fn block(&self, k: usize) -> (&[u32], &[f32], &[i32]) {
+    pub(super) fn block(&self, k: usize) -> (&[u32], &[f32], &[i32]) {
         let (nq, ns) = (self.kp / 4 * self.lanes, self.blocks() * self.lanes);
         (
             self.q.get(k * nq..(k + 1) * nq).unwrap_or(&[]),
@@ -478,20 +478,34 @@ macro_rules! tile_256 {
     };
 }
 
+/// `s` plus, in each 32-bit lane, the four products of signed codes `w` and signed
+/// activations `x` (AVX2): `|w|` as unsigned bytes times `x` with `w`'s sign, exact pairs
+/// in `i16` (`|w| <= 128`, `|x| <= 127`), then quads.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn quads_avx2(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// `s` plus, in each 32-bit lane, the four products of codes biased to unsigned bytes `w`
+/// and signed activations `x` (AVX-VNNI `vpdpbusd`).
+#[inline]
+#[target_feature(enable = "avx2,fma,avxvnni")]
+pub(super) fn quads_avxvnni(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    _mm256_dpbusd_avx_epi32(s, w, x)
+}
+
 tile_256!(
     tile_avx2,
     "avx2,fma",
-    |s: __m256i, x: __m256i, w: __m256i| {
-        // |w| as unsigned bytes times x with w's sign: exact pairs in i16, then quads
-        let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-        _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-    },
+    |s: __m256i, x: __m256i, w: __m256i| quads_avx2(s, w, x),
     |s: __m256i, _b: __m256i| s
 );
 tile_256!(
     tile_avxvnni,
     "avx2,fma,avxvnni",
-    |s: __m256i, x: __m256i, w: __m256i| _mm256_dpbusd_avx_epi32(s, w, x),
+    |s: __m256i, x: __m256i, w: __m256i| quads_avxvnni(s, w, x),
     |s: __m256i, b: __m256i| _mm256_sub_epi32(s, b)
 );
 
@@ -546,6 +560,57 @@ unsafe fn tile_avx512(
     out
 }
 
+/// Blocks of [`BLOCK`] columns a group: a per-row format is one group of the whole row.
+pub(super) fn group_blocks(view: &RowsView<'_>, blocks: usize) -> usize {
+    match view.rule {
+        ScaleRule::Row { .. } => blocks.max(1),
+        ScaleRule::Groups { .. } => (view.group / BLOCK).max(1),
+    }
+}
+
+/// `Int4Block`'s minimums against the rounded `x`: each row's minimums (one a group) and
+/// each `x` row's group sums.
+pub(super) struct Minimums<'a> {
+    mins: Option<&'a [f32]>,
+    xsums: Vec<f32>,
+    groups: usize,
+}
+
+impl<'a> Minimums<'a> {
+    /// For `batch` rows of `panel` in groups of `gblocks` blocks; `mins` is `None` for the
+    /// formats without minimums.
+    pub(super) fn new(
+        panel: &Panel,
+        batch: usize,
+        gblocks: usize,
+        mins: Option<&'a [f32]>,
+    ) -> Self {
+        let xsums = match mins {
+            Some(_) => panel.group_sums(batch, gblocks),
+            None => Vec::new(),
+        };
+        Self {
+            mins,
+            xsums,
+            groups: panel.blocks().div_ceil(gblocks.max(1)),
+        }
+    }
+
+    /// What weight row `r`'s minimums add to its output for `x` row `b`: `dot` of the two.
+    pub(super) fn term(
+        &self,
+        r: usize,
+        b: usize,
+        dot: &(dyn Fn(&[f32], &[f32]) -> f32 + Sync),
+    ) -> f32 {
+        let g = self.groups;
+        match (self.mins, self.xsums.get(b * g..(b + 1) * g)) {
+            (Some(m), Some(sx)) => m.get(r * g..(r + 1) * g).map_or(0.0, |m| dot(m, sx)),
+            _ => 0.0,
+        }
+    }
+}
+
 /// The whole product: `yt` is `[rows, batch]`; each output is its row's sum plus, when
 /// `mins` is given (`Int4Block`: each row's minimums, one a group), `dot` of the row's
 /// minimums with the rounded `x` row's group sums, so the output is the rounded `x`
@@ -566,22 +631,11 @@ pub(super) fn run(
     let panel = Panel::new(x, batch, cols, view.lut.is_some(), lanes);
     let (kp, blocks) = (panel.kp, panel.blocks());
     // a per-row format is one group of the whole row
-    let gblocks = match view.rule {
-        ScaleRule::Row { .. } => blocks.max(1),
-        ScaleRule::Groups { .. } => (view.group / BLOCK).max(1),
-    };
+    let gblocks = group_blocks(view, blocks);
     let groups = blocks.div_ceil(gblocks);
     let panels = batch.div_ceil(lanes);
-    let xsums = match mins {
-        Some(_) => panel.group_sums(batch, gblocks),
-        None => Vec::new(),
-    };
-    let term = |r: usize, b: usize| match (mins, xsums.get(b * groups..(b + 1) * groups)) {
-        (Some(m), Some(sx)) => m
-            .get(r * groups..(r + 1) * groups)
-            .map_or(0.0, |m| dot(m, sx)),
-        _ => 0.0,
-    };
+    let minimums = Minimums::new(&panel, batch, gblocks, mins);
+    let term = |r: usize, b: usize| minimums.term(r, b, dot);
     super::run_tasks(
         yt,
         batch * ROWS,

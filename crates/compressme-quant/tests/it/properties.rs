@@ -93,8 +93,8 @@ proptest! {
                 let wr = &w[r * cols..(r + 1) * cols];
                 let nf4 = nf4_scale(&q, r);
                 let bound = error_bound(xb, wr, nf4);
-                // the 4-bit formats take 8-bit activations at batches of 8 and more
-                let block8 = batch >= 8 && Activations::default_for(format) == Activations::Block8;
+                // the 4-bit formats take 8-bit activations (at every batch)
+                let block8 = Activations::default_for(format) == Activations::Block8;
                 let fast_bound = if block8 { bound.max(error_bound_block8(xb, wr, nf4)) } else { bound };
                 let (f, p, s) = (fast[b * rows + r], port[b * rows + r], slow[b * rows + r]);
                 prop_assert!((f - s).abs() <= fast_bound, "[{b}, {r}]: {f} vs {s}, bound {fast_bound}");
@@ -111,9 +111,10 @@ proptest! {
 
     /// One row of activations (generation: four weight rows a kernel call, codes read in
     /// place) gives the same bits as that row inside a larger batch (one weight row at a
-    /// time against up to four `x` rows), on every backend: the same integer sums, flushed
-    /// and summed in the same order. (A batch of 8 or more runs the tiles, whose sums are
-    /// flushed per group a lane: not these bits, and not drawn here.)
+    /// time against up to four `x` rows), on every backend, with 14-bit activations: the
+    /// same integer sums, flushed and summed in the same order. (A batch of 8 or more
+    /// runs the tiles, whose sums are flushed per group a lane: not these bits, and not
+    /// drawn here.)
     #[test]
     fn one_row_gives_the_bits_of_that_row_in_a_batch(
         (format, _, cols, seed) in case(),
@@ -123,10 +124,50 @@ proptest! {
         let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
         let x = weights(batch, cols, seed ^ 0xdef);
         for backend in [Backend::Auto, Backend::Portable] {
-            let all = matmul_with(backend, &x, batch, &q).unwrap();
-            let one = matmul_with(backend, &x[..cols], 1, &q).unwrap();
+            let run = |x: &[f32], batch: usize| {
+                let mut y = vec![f32::NAN; batch * rows];
+                matmul_into_using(backend, Activations::Fixed14, x, batch, &q, &mut y).unwrap();
+                y
+            };
+            let (all, one) = (run(&x, batch), run(&x[..cols], 1));
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&one), bits(&all[..rows]), "{:?} {:?}", format, backend);
+        }
+    }
+
+    /// With 8-bit activations a 4-bit format gives each row of `x` the same bits in a
+    /// batch of any size, on every SIMD tier: a batch of 7 or less runs a weight row a
+    /// lane, 8 or more the tiles (an `x` row a lane), the same exact block sums and the
+    /// same f32 operations. So a prompt's last token and the token generated from it are
+    /// multiplied alike.
+    #[test]
+    fn block8_gives_a_row_the_same_bits_in_a_batch_of_any_size(
+        format in prop::sample::select(
+            all_formats().into_iter().filter(|f| f.code_bits() == 4).collect::<Vec<_>>()
+        ),
+        rows in 1usize..=37,
+        cols in prop_oneof![1usize..=300, Just(576), Just(1024), Just(1100)],
+        batch in 1usize..=40,
+        seed in any::<u64>(),
+    ) {
+        let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
+        let x = weights(batch, cols, seed ^ 0x0b17);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for tier in supported_tiers().into_iter().filter(|&t| t >= Tier::Avx2) {
+            let run = |x: &[f32], batch: usize| {
+                let mut y = vec![f32::NAN; batch * rows];
+                matmul_into_using(Backend::Tier(tier), Activations::Block8, x, batch, &q, &mut y)
+                    .unwrap();
+                y
+            };
+            let all = run(&x, batch);
+            for b in [0, batch / 2, batch - 1] {
+                let one = run(&x[b * cols..(b + 1) * cols], 1);
+                prop_assert_eq!(
+                    bits(&one), bits(&all[b * rows..(b + 1) * rows]),
+                    "{:?} on {}, row {} of {}", format, tier, b, batch
+                );
+            }
         }
     }
 
@@ -156,15 +197,16 @@ proptest! {
         }
     }
 
-    /// 8-bit activations (batches of 8 and more): every tier this CPU runs stays within
-    /// `error_bound_block8` of dequantize-then-multiply, and every SIMD tier gives the
-    /// AVX2 tier's bits (the same exact block sums, the same f32 operations).
+    /// 8-bit activations (every batch for the 4-bit formats, 8 and more for the others):
+    /// every tier this CPU runs stays within `error_bound_block8` of
+    /// dequantize-then-multiply, and every SIMD tier gives the AVX2 tier's bits (the same
+    /// exact block sums, the same f32 operations).
     #[test]
     fn block8_activations_stay_in_their_bound_with_the_same_bits_on_every_tier(
         format in format(),
         rows in 1usize..=19,
         cols in prop_oneof![1usize..=300, Just(576), Just(1024), Just(1100)],
-        batch in 8usize..=40,
+        batch in prop_oneof![1usize..=7, 8usize..=40],
         seed in any::<u64>(),
     ) {
         let q = quantize(&weights(rows, cols, seed), rows, cols, format).unwrap();
@@ -520,26 +562,29 @@ fn long_rows_at_the_extremes_do_not_overflow() {
 }
 
 /// `COMPRESSME_ACTIVATIONS`' names read back, and 8-bit activations give other bits
-/// than 14-bit ones at a batch of 8 or more (so the choice is really made) and the same
-/// bits below it, where they do not apply.
+/// than 14-bit ones where they apply (so the choice is really made): INT8 at a batch of 8
+/// or more, and the same bits below it; a 4-bit format at every batch.
 #[test]
-fn activations_are_chosen_by_name_and_change_only_batches_of_8_and_more() {
+fn activations_are_chosen_by_name_and_apply_where_they_say() {
     for a in [Activations::Auto, Activations::Fixed14, Activations::Block8] {
         assert_eq!(Activations::from_name(a.name()), Some(a));
     }
     assert_eq!(Activations::from_name("4"), None);
     let (rows, cols) = (16, 256);
-    let q = quantize(&matrix("gaussian", rows, cols, 3), rows, cols, Format::Int8).unwrap();
-    for batch in [7, 8] {
-        let x = matrix("gaussian", batch, cols, 4);
-        let run = |a: Activations| {
-            let mut y = vec![0f32; batch * rows];
-            matmul_into_using(Backend::Auto, a, &x, batch, &q, &mut y).unwrap();
-            y.into_iter().map(f32::to_bits).collect::<Vec<_>>()
-        };
-        let simd = Tier::best() > Tier::Portable;
-        let differ = run(Activations::Fixed14) != run(Activations::Block8);
-        assert_eq!(differ, batch == 8 && simd, "batch {batch}");
+    let simd = Tier::best() > Tier::Portable;
+    for format in [Format::Int8, Format::Nf4] {
+        let q = quantize(&matrix("gaussian", rows, cols, 3), rows, cols, format).unwrap();
+        for batch in [1, 7, 8] {
+            let x = matrix("gaussian", batch, cols, 4);
+            let run = |a: Activations| {
+                let mut y = vec![0f32; batch * rows];
+                matmul_into_using(Backend::Auto, a, &x, batch, &q, &mut y).unwrap();
+                y.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+            };
+            let differ = run(Activations::Fixed14) != run(Activations::Block8);
+            let applies = batch == 8 || format.code_bits() == 4;
+            assert_eq!(differ, applies && simd, "{format:?}, batch {batch}");
+        }
     }
     // the default: 8-bit activations for the 4-bit formats, 14-bit for the others
     for format in all_formats() {

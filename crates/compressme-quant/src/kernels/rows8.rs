@@ -1,0 +1,936 @@
+//! One to seven rows of `x` against a 4-bit matrix with 8-bit activations
+//! ([`super::Activations::Block8`]): the generation path. The arithmetic is that of
+//! [`super::tiles8`] to the bit, so a row of `x` gives the same output whether it is
+//! multiplied alone or inside a batch of any size; only the layout differs: a vector lane
+//! here is a *weight* row, where the tiles give a lane to each row of `x`.
+//!
+//! # How
+//! Each weight row's codes are read as stored, a chunk at a time: 64 bytes (128 columns,
+//! four blocks of 32) on AVX-512, 32 bytes (two blocks) on the 256-bit tiers. The chunk's
+//! low and high nibbles go through the format's table (biased to unsigned bytes on the
+//! VNNI tiers) and meet `x`, laid out once a product so that each chunk's low-nibble
+//! values come first and its high-nibble values second ([`ChunkedX`]): two `vpdpbusd`
+//! give 128 products, four lanes for each block. The vectors of 16 weight rows (eight on
+//! the 256-bit tiers) are then added and transposed in registers until one vector holds
+//! one block's exact sum for every row, a row a lane: the `S` of [`super::tiles8`]. The
+//! rest is its float arithmetic, a lane a row: `a_g = fma(S, s, a_g)` a block,
+//! `acc = fma(a_g, w_g, acc)` a group, `Int4Block`'s minimums added last.
+//!
+//! Nothing is widened or copied to memory: at batch 1 the codes are read once, in place,
+//! 64 products an instruction (the 14-bit path splits each activation into two bytes and
+//! needs two).
+//!
+//! Every `unsafe` here is one of two things: calling a `#[target_feature]` function, which
+//! a token makes sound (it exists only after the CPU was seen to have the features), or an
+//! unaligned load or store inside a range the caller checked first.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::{
+    __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
+    _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cmpgt_epi32, _mm256_cvtepi32_ps,
+    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_maskload_ps, _mm256_mul_ps,
+    _mm256_permute2f128_ps, _mm256_permute2x128_si256, _mm256_set1_epi8, _mm256_set1_epi32,
+    _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_shuffle_epi8, _mm256_shuffle_ps, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi32,
+    _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpackhi_ps, _mm256_unpacklo_epi32,
+    _mm256_unpacklo_epi64, _mm256_unpacklo_ps, _mm512_add_epi32, _mm512_and_si512,
+    _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd, _mm512_cvtepi32_ps,
+    _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+    _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_shuffle_f32x4,
+    _mm512_shuffle_i32x4, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+};
+
+use super::tiles::{Kind, ROWS};
+use super::tiles8::{Minimums, Panel, group_blocks, quads_avx2, quads_avxvnni};
+use super::{RowsView, ScaleRule};
+
+/// Columns of `x` that share one 8-bit step.
+const BLOCK: usize = super::BLOCK8;
+/// The largest batch that runs here (larger ones run the tiles).
+pub(super) const MAX_BATCH: usize = super::tiles::MIN_BATCH - 1;
+/// Rows of `x` one kernel call takes.
+const XR: usize = 4;
+/// How far ahead of its reads a weight row is prefetched, in bytes (measured at 4096 x
+/// 4096 against 0, 512 and 8,192: a few percent faster than none, the others within
+/// noise).
+const AHEAD: usize = 2048;
+
+/// Whether a matrix runs here: a 4-bit format on whole blocks (see [`super::tiles8::fits`]).
+pub(super) fn fits(view: &RowsView<'_>) -> bool {
+    view.lut.is_some() && super::tiles8::fits(view)
+}
+
+/// One row of `x` in the order a tier's chunks read it: for chunk `h` of `per` blocks,
+/// the low-nibble half (16 values) of each of its blocks, then each block's high-nibble
+/// half; blocks past the row are zeros.
+struct ChunkedX {
+    bytes: Vec<i8>,
+}
+
+impl ChunkedX {
+    /// Row `b` of `panel` (built with one lane, in nibble order) in chunks of `per` blocks.
+    fn new(panel: &Panel, b: usize, per: usize) -> Self {
+        let (units, _, _) = panel.block(b);
+        let blocks = panel.blocks();
+        let chunks = blocks.div_ceil(per);
+        let mut bytes = vec![0i8; chunks * per * BLOCK];
+        let half = BLOCK / 2;
+        for c in 0..blocks {
+            let (h, k) = (c / per, c % per);
+            let block = units.get(c * BLOCK / 4..(c + 1) * BLOCK / 4).unwrap_or(&[]);
+            let vals = block.iter().flat_map(|u| u.to_le_bytes().map(|v| v as i8));
+            for (i, v) in vals.enumerate() {
+                let at = h * per * BLOCK + (i / half) * per * half + k * half + i % half;
+                if let Some(o) = bytes.get_mut(at) {
+                    *o = v;
+                }
+            }
+        }
+        Self { bytes }
+    }
+}
+
+/// Up to [`XR`] rows of `x` for one kernel call: each row's chunked bytes, steps and the
+/// biased codes' `128 · Σ q` per block.
+struct Xs<'a, const N: usize> {
+    bytes: [&'a [i8]; N],
+    step: [&'a [f32]; N],
+    bias: [&'a [i32]; N],
+}
+
+/// The scales of a task's 16 weight rows, read by the kernels 16 groups at a time and
+/// transposed in registers (one vector a group, a lane a row).
+#[derive(Debug, Clone, Copy)]
+enum TileScales<'a> {
+    /// Blockwise formats: row `r`'s scale of group `g` is `all[start[r] + g] · k`.
+    Groups {
+        all: &'a [f32],
+        start: [usize; ROWS],
+        k: f32,
+    },
+    /// Per-row formats (one group): each row's scale.
+    Row([f32; ROWS]),
+}
+
+impl<'a> TileScales<'a> {
+    /// Rows `first..first + n` of `view` (rows past `n` read row `first`'s; their
+    /// outputs are not kept).
+    fn new(view: &RowsView<'a>, first: usize, n: usize) -> Self {
+        let row = |r: usize| first + if r < n { r } else { 0 };
+        match view.rule {
+            ScaleRule::Groups { per_row, k } => Self::Groups {
+                all: view.scales,
+                start: std::array::from_fn(|r| row(r).saturating_mul(per_row)),
+                k,
+            },
+            ScaleRule::Row { .. } => {
+                Self::Row(std::array::from_fn(|r| view.scales_of(row(r)).get(0)))
+            }
+        }
+    }
+
+    /// Whether every row's `groups` scales are inside `all`.
+    fn fit(&self, groups: usize) -> bool {
+        match self {
+            Self::Groups { all, start, .. } => start
+                .iter()
+                .all(|&s| s.checked_add(groups).is_some_and(|end| end <= all.len())),
+            Self::Row(_) => true,
+        }
+    }
+
+    /// Row `r`'s scale of group `g`, as the kernels read it (0 where none is stored, as
+    /// [`super::RowScales::get`] gives).
+    fn get(&self, r: usize, g: usize) -> f32 {
+        match *self {
+            Self::Groups { all, start, k } => start
+                .get(r)
+                .and_then(|&s| all.get(s.checked_add(g)?))
+                .map_or(0.0, |v| v * k),
+            Self::Row(v) => v.get(r).copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// The whole product for `batch <= MAX_BATCH` rows of finite `x`: `yt` is `[rows, batch]`;
+/// the same outputs, bit for bit, as [`super::tiles8::run`] gives each row of `x` (see
+/// there for `mins` and `dot`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    kind: Kind,
+    x: &[f32],
+    batch: usize,
+    view: &RowsView<'_>,
+    cols: usize,
+    rows: usize,
+    yt: &mut [f32],
+    mins: Option<&[f32]>,
+    dot: &(dyn Fn(&[f32], &[f32]) -> f32 + Sync),
+) {
+    let Some(lut) = view.lut else {
+        return;
+    };
+    let panel = Panel::new(x, batch, cols, true, 1);
+    let blocks = panel.blocks();
+    let gblocks = group_blocks(view, blocks);
+    let per = match kind {
+        Kind::Avx512(_) => 4,
+        Kind::Avx2(_) | Kind::AvxVnni(_) => 2,
+    };
+    let chunked: Vec<ChunkedX> = (0..batch).map(|b| ChunkedX::new(&panel, b, per)).collect();
+    let biased = !matches!(kind, Kind::Avx2(_));
+    let table = if biased {
+        lut.map(|v| v ^ i8::MIN)
+    } else {
+        *lut
+    };
+    let minimums = Minimums::new(&panel, batch, gblocks, mins);
+    let shape = Shape {
+        blocks,
+        gblocks,
+        per,
+        table,
+        lut: *lut,
+    };
+    super::run_tasks(
+        yt,
+        batch * ROWS,
+        batch * rows * cols,
+        Scratch::default,
+        |scratch, (task, out)| {
+            let first = task * ROWS;
+            let n = (out.len() / batch.max(1)).min(rows.saturating_sub(first));
+            if n == 0 {
+                return;
+            }
+            let scales = TileScales::new(view, first, n);
+            // rows past the matrix read its first row of the task (their outputs are not
+            // kept), so every row of a kernel call has the same length
+            let codes: [&[u8]; ROWS] =
+                std::array::from_fn(|r| view.codes_of(first + if r < n { r } else { 0 }));
+            let mut b0 = 0;
+            while b0 < batch {
+                let m = (batch - b0).min(XR);
+                let sums = match m {
+                    1 => widen(dots::<1>(
+                        kind, &shape, &codes, &chunked, &panel, b0, &scales, scratch,
+                    )),
+                    2 => widen(dots::<2>(
+                        kind, &shape, &codes, &chunked, &panel, b0, &scales, scratch,
+                    )),
+                    3 => widen(dots::<3>(
+                        kind, &shape, &codes, &chunked, &panel, b0, &scales, scratch,
+                    )),
+                    _ => widen(dots::<4>(
+                        kind, &shape, &codes, &chunked, &panel, b0, &scales, scratch,
+                    )),
+                };
+                for (k, s) in sums.iter().take(m).enumerate() {
+                    let b = b0 + k;
+                    for (r, &v) in s.iter().take(n).enumerate() {
+                        if let Some(o) = out.get_mut(r * batch + b) {
+                            *o = match mins {
+                                Some(_) => v + minimums.term(first + r, b, dot),
+                                None => v,
+                            };
+                        }
+                    }
+                }
+                b0 += m;
+            }
+        },
+    );
+}
+
+/// A task's reused buffers: each row's products for every chunk, before the transposes
+/// (vectors of the AVX-512 tier, or of the 256-bit tiers).
+#[derive(Default)]
+struct Scratch {
+    z: Vec<__m512i>,
+    y: Vec<__m256i>,
+}
+
+/// What every kernel call of a product shares.
+struct Shape {
+    blocks: usize,
+    gblocks: usize,
+    /// Blocks a chunk.
+    per: usize,
+    /// The format's table, biased by 128 on the VNNI tiers.
+    table: [i8; 16],
+    /// The format's table.
+    lut: [i8; 16],
+}
+
+fn widen<const N: usize>(v: [[f32; ROWS]; N]) -> [[f32; ROWS]; XR] {
+    let mut out = [[0f32; ROWS]; XR];
+    for (o, r) in out.iter_mut().zip(v) {
+        *o = r;
+    }
+    out
+}
+
+/// Sixteen weight rows (`codes`, all of one length) against rows `b0..b0 + N` of `x`:
+/// `out[k][r]` is weight row `r` against `x` row `b0 + k`, before `Int4Block`'s minimums.
+#[allow(clippy::too_many_arguments)]
+fn dots<const N: usize>(
+    kind: Kind,
+    shape: &Shape,
+    codes: &[&[u8]; ROWS],
+    chunked: &[ChunkedX],
+    panel: &Panel,
+    b0: usize,
+    scales: &TileScales<'_>,
+    scratch: &mut Scratch,
+) -> [[f32; ROWS]; N] {
+    let (blocks, gblocks, per) = (shape.blocks, shape.gblocks, shape.per);
+    let chunk_bytes = per * BLOCK;
+    let chunks = blocks.div_ceil(per);
+    let groups = blocks.div_ceil(gblocks.max(1));
+    let xs: Option<Xs<'_, N>> = (|| {
+        let mut bytes = [&[][..]; N];
+        let mut step = [&[][..]; N];
+        let mut bias = [&[][..]; N];
+        for k in 0..N {
+            let (_, s, o) = panel.block(b0 + k);
+            bytes[k] = chunked.get(b0 + k)?.bytes.get(..chunks * chunk_bytes)?;
+            step[k] = s.get(..blocks)?;
+            bias[k] = o.get(..blocks)?;
+        }
+        Some(Xs { bytes, step, bias })
+    })();
+    let ok = gblocks > 0 && scales.fit(groups);
+    let (Some(xs), true) = (xs, ok) else {
+        return reference(shape, codes, panel, b0, scales);
+    };
+    let mut out = [[0f32; ROWS]; N];
+    let slots = N * chunks * ROWS / (4 / per);
+    // SAFETY (every call below): the token in `kind` proves the features; `xs` holds
+    // `chunks` whole chunks a row and a step and bias a block, every row's scales are in
+    // `scales`, and the scratch was just sized for `N · chunks` chunks of the tile's rows;
+    // the kernels load a row's codes in place only where the row holds the whole chunk,
+    // and copy it otherwise.
+    match kind {
+        Kind::Avx512(_) => {
+            // SAFETY: all zeros is a vector of zeros
+            scratch.z.resize(slots, unsafe { std::mem::zeroed() });
+            // SAFETY: above
+            unsafe { tile_avx512(shape, codes, &xs, scales, &mut scratch.z, &mut out) };
+        }
+        Kind::AvxVnni(_) | Kind::Avx2(_) => {
+            // SAFETY: all zeros is a vector of zeros
+            scratch.y.resize(slots, unsafe { std::mem::zeroed() });
+            for half in 0..2 {
+                // SAFETY: above
+                unsafe {
+                    match kind {
+                        Kind::AvxVnni(_) => {
+                            tile_avxvnni(shape, codes, &xs, scales, half, &mut scratch.y, &mut out);
+                        }
+                        _ => tile_avx2(shape, codes, &xs, scales, half, &mut scratch.y, &mut out),
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// [`dots`] in plain Rust from the panel (nibble order: a block's slot `i < 16` meets the
+/// low nibble of its run's byte `i`, slot `16 + i` the high one), the definition the SIMD
+/// kernels are held to.
+fn reference<const N: usize>(
+    shape: &Shape,
+    codes: &[&[u8]; ROWS],
+    panel: &Panel,
+    b0: usize,
+    scales: &TileScales<'_>,
+) -> [[f32; ROWS]; N] {
+    let (blocks, gblocks) = (shape.blocks, shape.gblocks.max(1));
+    let mut out = [[0f32; ROWS]; N];
+    for (k, o) in out.iter_mut().enumerate() {
+        let (units, step, _) = panel.block(b0 + k);
+        let q = |j: usize| {
+            let unit = units.get(j / 4).copied().unwrap_or(0);
+            i32::from((unit >> (8 * (j % 4))) as u8 as i8)
+        };
+        for (r, acc) in o.iter_mut().enumerate() {
+            let code = |c: usize, i: usize| codes[r].get(16 * c + i).copied().unwrap_or(0);
+            let w = |v: u8| i32::from(shape.lut[usize::from(v & 15)]);
+            for g in 0..blocks.div_ceil(gblocks) {
+                let mut a = 0f32;
+                for c in g * gblocks..((g + 1) * gblocks).min(blocks) {
+                    let sum: i32 = (0..16)
+                        .map(|i| {
+                            let b = code(c, i);
+                            w(b) * q(BLOCK * c + i) + w(b >> 4) * q(BLOCK * c + 16 + i)
+                        })
+                        .sum();
+                    a = (sum as f32).mul_add(step.get(c).copied().unwrap_or(0.0), a);
+                }
+                *acc = a.mul_add(scales.get(r, g), *acc);
+            }
+        }
+    }
+    out
+}
+
+/// Bytes `at..at + LEN` of `row` as a pointer: in place when the row holds them, otherwise
+/// copied into `buf` with zeros past the row's end.
+#[inline(always)]
+fn chunk_ptr<const LEN: usize>(row: &[u8], at: usize, buf: &mut [u8; LEN]) -> *const u8 {
+    match row.get(at..at + LEN) {
+        Some(s) => s.as_ptr(),
+        None => {
+            *buf = [0; LEN];
+            let tail = row.get(at..).unwrap_or(&[]);
+            for (o, &v) in buf.iter_mut().zip(tail) {
+                *o = v;
+            }
+            buf.as_ptr()
+        }
+    }
+}
+
+/// The 16 rows' scales of groups `g0..g0 + 16` (those below `groups`), a vector a group,
+/// lane `r` row `r`'s: each row's 16 read in one masked load, then transposed.
+///
+/// # Safety
+/// AVX-512 F present; for [`TileScales::Groups`], `start[r] + groups` at most `all`'s
+/// length for every row, and `g0 < groups`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn scales_512(s: &TileScales<'_>, g0: usize, groups: usize) -> [__m512; 16] {
+    match s {
+        TileScales::Groups { all, start, k } => {
+            let n = (groups - g0).min(16);
+            let mask: u16 = if n >= 16 { u16::MAX } else { (1u16 << n) - 1 };
+            let mut r = [_mm512_setzero_ps(); 16];
+            for (v, &at) in r.iter_mut().zip(start) {
+                let ptr = all.as_ptr().wrapping_add(at + g0);
+                // the next 16 groups' scales: a hint, which never faults
+                _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(16).cast());
+                // SAFETY: the row's groups g0..g0 + n are inside `all` (caller); the masked
+                // load reads only those lanes
+                *v = unsafe { _mm512_maskz_loadu_ps(mask, ptr) };
+            }
+            let mut out = transpose_16(&r);
+            let kv = _mm512_set1_ps(*k);
+            for v in &mut out {
+                *v = _mm512_mul_ps(*v, kv);
+            }
+            out
+        }
+        TileScales::Row(v) => {
+            let mut out = [_mm512_setzero_ps(); 16];
+            // SAFETY: 16 f32
+            out[0] = unsafe { _mm512_loadu_ps(v.as_ptr()) };
+            out
+        }
+    }
+}
+
+/// A 16 x 16 transpose: lane `r` of vector `j` from lane `j` of vector `r`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn transpose_16(r: &[__m512; 16]) -> [__m512; 16] {
+    // (plain loops: closures here are not inlined into the caller's features)
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + e], 128-bit lane l: rows 4i..4i + 4, element 4l + e
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        for h in 0..2 {
+            let a = _mm512_castps_pd(t[4 * i + h]);
+            let b = _mm512_castps_pd(t[4 * i + 2 + h]);
+            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    }
+    let mut out = [_mm512_setzero_ps(); 16];
+    for e in 0..4 {
+        let v0 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[e], u[4 + e]);
+        let v1 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[e], u[4 + e]);
+        let v2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + e], u[12 + e]);
+        let v3 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + e], u[12 + e]);
+        out[e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v0, v2);
+        out[4 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v0, v2);
+        out[8 + e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v1, v3);
+        out[12 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v1, v3);
+    }
+    out
+}
+
+/// Rows `8 · half..8 · half + 8`'s scales of groups `g0..g0 + 8`, as [`scales_512`].
+///
+/// # Safety
+/// AVX2 present, `half < 2`; for [`TileScales::Groups`], `start[r] + groups` at most
+/// `all`'s length for every row, and `g0 < groups`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scales_256(s: &TileScales<'_>, g0: usize, groups: usize, half: usize) -> [__m256; 8] {
+    match s {
+        TileScales::Groups { all, start, k } => {
+            let n = (groups - g0).min(8) as i32;
+            let mask = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(n),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            let mut r = [_mm256_setzero_ps(); 8];
+            for (v, &at) in r.iter_mut().zip(&start[8 * half..]) {
+                let ptr = all.as_ptr().wrapping_add(at + g0);
+                // the next 8 groups' scales: a hint, which never faults
+                _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(8).cast());
+                // SAFETY: the row's groups g0..g0 + n are inside `all` (caller); the masked
+                // load reads only those lanes
+                *v = unsafe { _mm256_maskload_ps(ptr, mask) };
+            }
+            let kv = _mm256_set1_ps(*k);
+            let mut t = [_mm256_setzero_ps(); 8];
+            for i in 0..4 {
+                t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            // u[4i + e], 128-bit lane l: rows 4i..4i + 4, element 4l + e
+            let mut u = [_mm256_setzero_ps(); 8];
+            for i in 0..2 {
+                for h in 0..2 {
+                    let (a, b) = (t[4 * i + h], t[4 * i + 2 + h]);
+                    u[4 * i + 2 * h] = _mm256_shuffle_ps::<0x44>(a, b);
+                    u[4 * i + 2 * h + 1] = _mm256_shuffle_ps::<0xee>(a, b);
+                }
+            }
+            let mut out = [_mm256_setzero_ps(); 8];
+            for e in 0..4 {
+                out[e] = _mm256_mul_ps(_mm256_permute2f128_ps::<0x20>(u[e], u[4 + e]), kv);
+                out[4 + e] = _mm256_mul_ps(_mm256_permute2f128_ps::<0x31>(u[e], u[4 + e]), kv);
+            }
+            out
+        }
+        TileScales::Row(v) => {
+            let mut out = [_mm256_setzero_ps(); 8];
+            // SAFETY: 8 of the 16 f32 (half < 2)
+            out[0] = unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * half)) };
+            out
+        }
+    }
+}
+
+/// Sixteen vectors, one a weight row, each with four lanes for each of four blocks
+/// (lanes `4k..4k + 4` block `k`), added and transposed into four vectors, one a block,
+/// lane `r` row `r`'s sum (exact: `i32` additions).
+///
+/// # Safety
+/// AVX-512 F present.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn transpose_add_16(p: &[__m512i; ROWS]) -> [__m512i; 4] {
+    // pairs of rows: per 128-bit lane k, [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    let mut q = [_mm512_setzero_si512(); 8];
+    for (j, v) in q.iter_mut().enumerate() {
+        let (a, b) = (p[2 * j], p[2 * j + 1]);
+        *v = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    }
+    // fours of rows: per 128-bit lane k, block k's sums of rows 4j..4j + 4
+    let mut r = [_mm512_setzero_si512(); 4];
+    for (j, v) in r.iter_mut().enumerate() {
+        let (c, d) = (q[2 * j], q[2 * j + 1]);
+        *v = _mm512_add_epi32(_mm512_unpacklo_epi64(c, d), _mm512_unpackhi_epi64(c, d));
+    }
+    // a 4 x 4 transpose of 128-bit lanes
+    let t0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(r[0], r[1]);
+    let t1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(r[0], r[1]);
+    let t2 = _mm512_shuffle_i32x4::<0b01_00_01_00>(r[2], r[3]);
+    let t3 = _mm512_shuffle_i32x4::<0b11_10_11_10>(r[2], r[3]);
+    [
+        _mm512_shuffle_i32x4::<0b10_00_10_00>(t0, t2),
+        _mm512_shuffle_i32x4::<0b11_01_11_01>(t0, t2),
+        _mm512_shuffle_i32x4::<0b10_00_10_00>(t1, t3),
+        _mm512_shuffle_i32x4::<0b11_01_11_01>(t1, t3),
+    ]
+}
+
+/// # Safety
+/// AVX-512 F, BW, VL and VNNI and FMA present; `xs` holds `blocks.div_ceil(4)` chunks of
+/// 128 bytes a row and `blocks` steps and biases; every row's scales are in `scales`;
+/// `pbuf` holds `N · blocks.div_ceil(4) · 16` vectors; `shape.per` is 4 and
+/// `shape.gblocks > 0`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn tile_avx512<const N: usize>(
+    shape: &Shape,
+    codes: &[&[u8]; ROWS],
+    xs: &Xs<'_, N>,
+    scales: &TileScales<'_>,
+    pbuf: &mut [__m512i],
+    out: &mut [[f32; ROWS]; N],
+) {
+    let (blocks, gblocks) = (shape.blocks, shape.gblocks);
+    // SAFETY: the table is 16 bytes
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(shape.table.as_ptr().cast()) });
+    let low = _mm512_set1_epi8(0x0f);
+    let groups = blocks.div_ceil(gblocks);
+    // the group being summed, and its blocks still to come
+    let (mut g, mut left) = (0, gblocks);
+    let mut sbuf = [_mm512_setzero_ps(); 16];
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut ga = [_mm512_setzero_ps(); N];
+    let mut buf = [0u8; 64];
+    let chunks = blocks.div_ceil(4);
+    // chunks every row holds whole (the rows are of one length): read in place
+    let full = codes
+        .iter()
+        .map(|r| r.len() / 64)
+        .min()
+        .unwrap_or(0)
+        .min(chunks);
+    // each row's products, row after row: the tile's codes are read as one stream
+    for (r, row) in codes.iter().enumerate() {
+        for h in 0..chunks {
+            let v = if h < full {
+                let at = row.as_ptr().wrapping_add(64 * h);
+                // a hint only: it never faults, past the row's end included
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(AHEAD).cast());
+                // SAFETY: h < full: the row holds bytes 64h..64h + 64
+                unsafe { _mm512_loadu_si512(at.cast()) }
+            } else {
+                let ptr = chunk_ptr(row, 64 * h, &mut buf);
+                // SAFETY: `chunk_ptr` gives 64 readable bytes
+                unsafe { _mm512_loadu_si512(ptr.cast()) }
+            };
+            let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+            let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
+            for k in 0..N {
+                // SAFETY: chunk h's 128 bytes are in each row of `xs`; slot
+                // (k · chunks + h) · 16 + r is in `pbuf` (caller)
+                unsafe {
+                    let x = xs.bytes[k].as_ptr().add(128 * h);
+                    let xlo = _mm512_loadu_si512(x.cast());
+                    let xhi = _mm512_loadu_si512(x.add(64).cast());
+                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
+                    *pbuf.get_unchecked_mut((k * chunks + h) * ROWS + r) =
+                        _mm512_dpbusd_epi32(s, hi, xhi);
+                }
+            }
+        }
+    }
+    for h in 0..chunks {
+        let mut t = [[_mm512_setzero_si512(); 4]; N];
+        for (k, tk) in t.iter_mut().enumerate() {
+            let at = (k * chunks + h) * ROWS;
+            if let Some(p) = pbuf
+                .get(at..at + ROWS)
+                .and_then(|p| <&[__m512i; ROWS]>::try_from(p).ok())
+            {
+                // SAFETY: AVX-512 F present
+                *tk = unsafe { transpose_add_16(p) };
+            }
+        }
+        for i in 0..4.min(blocks - 4 * h) {
+            let c = 4 * h + i;
+            for (k, tk) in t.iter().enumerate() {
+                let exact = _mm512_sub_epi32(tk[i], _mm512_set1_epi32(xs.bias[k][c]));
+                let s = _mm512_set1_ps(xs.step[k][c]);
+                ga[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, ga[k]);
+            }
+            left -= 1;
+            if left == 0 || c + 1 == blocks {
+                if g % 16 == 0 {
+                    // SAFETY: g < groups, whose scales every row holds (caller)
+                    sbuf = unsafe { scales_512(scales, g, groups) };
+                }
+                let w = sbuf[g % 16];
+                for k in 0..N {
+                    acc[k] = _mm512_fmadd_ps(ga[k], w, acc[k]);
+                    ga[k] = _mm512_setzero_ps();
+                }
+                (g, left) = (g + 1, gblocks);
+            }
+        }
+    }
+    for (o, v) in out.iter_mut().zip(acc) {
+        // SAFETY: 16 f32
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
+}
+
+/// Eight vectors, one a weight row, each with four lanes for each of two blocks, added
+/// and transposed into two vectors, one a block, lane `r` row `r`'s sum.
+///
+/// # Safety
+/// AVX2 present.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose_add_8(p: &[__m256i; 8]) -> [__m256i; 2] {
+    let mut q = [_mm256_setzero_si256(); 4];
+    for (j, v) in q.iter_mut().enumerate() {
+        let (a, b) = (p[2 * j], p[2 * j + 1]);
+        *v = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    }
+    let mut r = [_mm256_setzero_si256(); 2];
+    for (j, v) in r.iter_mut().enumerate() {
+        let (c, d) = (q[2 * j], q[2 * j + 1]);
+        *v = _mm256_add_epi32(_mm256_unpacklo_epi64(c, d), _mm256_unpackhi_epi64(c, d));
+    }
+    [
+        _mm256_permute2x128_si256::<0x20>(r[0], r[1]),
+        _mm256_permute2x128_si256::<0x31>(r[0], r[1]),
+    ]
+}
+
+/// A 256-bit kernel over weight rows `8 · half..8 · half + 8`: `$name`, with `$features`,
+/// summing a vector of codes `w` against `x` with `$step(sum, w, x)` and taking `$unbias`
+/// (the biased codes' `128 · Σ q`, or nothing) off each block's sum.
+macro_rules! tile_256 {
+    ($name:ident, $features:literal, $step:expr, $unbias:expr) => {
+        /// # Safety
+        /// The features present; `xs` holds `blocks.div_ceil(2)` chunks of 64 bytes a row
+        /// and `blocks` steps and biases; every row's scales are in `scales`; `pbuf`
+        /// holds `N · blocks.div_ceil(2) · 8` vectors; `shape.per` is 2,
+        /// `shape.gblocks > 0` and `half < 2`.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const N: usize>(
+            shape: &Shape,
+            codes: &[&[u8]; ROWS],
+            xs: &Xs<'_, N>,
+            scales: &TileScales<'_>,
+            half: usize,
+            pbuf: &mut [__m256i],
+            out: &mut [[f32; ROWS]; N],
+        ) {
+            let (blocks, gblocks) = (shape.blocks, shape.gblocks);
+            // SAFETY: the table is 16 bytes
+            let table = _mm256_broadcastsi128_si256(unsafe {
+                _mm_loadu_si128(shape.table.as_ptr().cast())
+            });
+            let low = _mm256_set1_epi8(0x0f);
+            let groups = blocks.div_ceil(gblocks);
+            // the group being summed, and its blocks still to come
+            let (mut g, mut left) = (0, gblocks);
+            let mut sbuf = [_mm256_setzero_ps(); 8];
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut ga = [_mm256_setzero_ps(); N];
+            let mut buf = [0u8; 32];
+            let chunks = blocks.div_ceil(2);
+            // each row's products, row after row: the rows' codes are read as one stream
+            for (r, row) in codes.iter().skip(8 * half).take(8).enumerate() {
+                for h in 0..chunks {
+                    let ptr = chunk_ptr(row, 32 * h, &mut buf);
+                    // SAFETY: `chunk_ptr` gives 32 readable bytes
+                    let v = unsafe { _mm256_loadu_si256(ptr.cast()) };
+                    let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+                    let hi = _mm256_shuffle_epi8(
+                        table,
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
+                    );
+                    for k in 0..N {
+                        // SAFETY: chunk h's 64 bytes are in each row of `xs`; slot
+                        // (k · chunks + h) · 8 + r is in `pbuf` (caller)
+                        unsafe {
+                            let x = xs.bytes[k].as_ptr().add(64 * h);
+                            let xlo = _mm256_loadu_si256(x.cast());
+                            let xhi = _mm256_loadu_si256(x.add(32).cast());
+                            let s = $step(_mm256_setzero_si256(), lo, xlo);
+                            *pbuf.get_unchecked_mut((k * chunks + h) * 8 + r) = $step(s, hi, xhi);
+                        }
+                    }
+                }
+            }
+            for h in 0..chunks {
+                let mut t = [[_mm256_setzero_si256(); 2]; N];
+                for k in 0..N {
+                    let at = (k * chunks + h) * 8;
+                    if let Some(p) = pbuf
+                        .get(at..at + 8)
+                        .and_then(|p| <&[__m256i; 8]>::try_from(p).ok())
+                    {
+                        // SAFETY: AVX2 present
+                        t[k] = unsafe { transpose_add_8(p) };
+                    }
+                }
+                for i in 0..2.min(blocks - 2 * h) {
+                    let c = 2 * h + i;
+                    for k in 0..N {
+                        let exact = $unbias(t[k][i], _mm256_set1_epi32(xs.bias[k][c]));
+                        let s = _mm256_set1_ps(xs.step[k][c]);
+                        ga[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), s, ga[k]);
+                    }
+                    left -= 1;
+                    if left == 0 || c + 1 == blocks {
+                        if g % 8 == 0 {
+                            // SAFETY: g < groups, whose scales every row holds (caller),
+                            // and half < 2
+                            sbuf = unsafe { scales_256(scales, g, groups, half) };
+                        }
+                        let w = sbuf[g % 8];
+                        for k in 0..N {
+                            acc[k] = _mm256_fmadd_ps(ga[k], w, acc[k]);
+                            ga[k] = _mm256_setzero_ps();
+                        }
+                        (g, left) = (g + 1, gblocks);
+                    }
+                }
+            }
+            for (o, v) in out.iter_mut().zip(acc) {
+                // SAFETY: lanes 8 · half..8 · half + 8 of the 16
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * half), v) };
+            }
+        }
+    };
+}
+
+tile_256!(
+    tile_avx2,
+    "avx2,fma",
+    quads_avx2,
+    |s: __m256i, _b: __m256i| s
+);
+tile_256!(
+    tile_avxvnni,
+    "avx2,fma,avxvnni",
+    quads_avxvnni,
+    |s: __m256i, b: __m256i| _mm256_sub_epi32(s, b)
+);
+
+#[cfg(test)]
+mod tests {
+    use super::super::tiles::tests::xorshift;
+    use super::*;
+
+    /// Every kind of kernel the CPU runs gives the bits of [`reference`], for 1 to 4 rows
+    /// of `x`, on the per-row and blockwise 4-bit formats (a part chunk and a part tile
+    /// included), at the extreme codes' weights and activations.
+    #[test]
+    fn simd_rows8_give_the_reference_bits() {
+        use crate::{Format, GroupSize, quantize};
+        let kinds = super::super::tiles::tests::kinds("simd_rows8_give_the_reference_bits");
+        let mut next = xorshift(0x2545_f491);
+        let (rows, cols) = (ROWS + 3, 9 * BLOCK - 5);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| match next() % 7 {
+                0 => 2.0,
+                1 => -2.0,
+                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
+            })
+            .collect();
+        let x: Vec<f32> = (0..XR * cols)
+            .map(|_| match next() % 6 {
+                0 => 3.5,
+                1 => -3.5,
+                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
+            })
+            .collect();
+        for format in [
+            Format::Nf4,
+            Format::Nf4Block(GroupSize::G32),
+            Format::Nf4Block(GroupSize::G128),
+            Format::Int4Block(GroupSize::G64),
+        ] {
+            let q = quantize(&w, rows, cols, format).unwrap();
+            let panel = Panel::new(&x, XR, cols, true, 1);
+            let view = RowsView::new(&q, panel.kp);
+            assert!(fits(&view), "{format:?}");
+            let blocks = panel.blocks();
+            let gblocks = match view.rule {
+                ScaleRule::Row { .. } => blocks,
+                ScaleRule::Groups { .. } => view.group / BLOCK,
+            };
+            for &kind in &kinds {
+                let per = if matches!(kind, Kind::Avx512(_)) {
+                    4
+                } else {
+                    2
+                };
+                let lut = *view.lut.unwrap();
+                let biased = !matches!(kind, Kind::Avx2(_));
+                let shape = Shape {
+                    blocks,
+                    gblocks,
+                    per,
+                    table: if biased {
+                        lut.map(|v| v ^ i8::MIN)
+                    } else {
+                        lut
+                    },
+                    lut,
+                };
+                let chunked: Vec<ChunkedX> =
+                    (0..XR).map(|b| ChunkedX::new(&panel, b, per)).collect();
+                let mut scratch = Scratch::default();
+                for first in [0, ROWS] {
+                    let n = (rows - first).min(ROWS);
+                    let scales = TileScales::new(&view, first, n);
+                    let codes: [&[u8]; ROWS] =
+                        std::array::from_fn(|r| view.codes_of(first + if r < n { r } else { 0 }));
+                    let bits = |v: &[[f32; ROWS]]| -> Vec<u32> {
+                        v.iter().flatten().map(|f| f.to_bits()).collect()
+                    };
+                    let args = (&shape, &codes, &chunked[..], &panel, &scales);
+                    let got = dots::<1>(
+                        kind,
+                        args.0,
+                        args.1,
+                        args.2,
+                        args.3,
+                        2,
+                        args.4,
+                        &mut scratch,
+                    );
+                    let want = reference::<1>(&shape, &codes, &panel, 2, &scales);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{format:?} {kind:?} rows {first}, N 1"
+                    );
+                    let got = dots::<4>(
+                        kind,
+                        args.0,
+                        args.1,
+                        args.2,
+                        args.3,
+                        0,
+                        args.4,
+                        &mut scratch,
+                    );
+                    let want = reference::<4>(&shape, &codes, &panel, 0, &scales);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{format:?} {kind:?} rows {first}, N 4"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The chunked row holds each block's low-nibble half, then its high-nibble half, per
+    /// chunk, and zeros past the row.
+    #[test]
+    fn chunked_x_is_each_chunks_halves_in_order() {
+        let cols = 5 * BLOCK - 3;
+        let mut next = xorshift(0x51ed_270b);
+        let x: Vec<f32> = (0..cols).map(|_| (next() % 255) as f32 - 127.0).collect();
+        let panel = Panel::new(&x, 1, cols, true, 1);
+        let (units, _, _) = panel.block(0);
+        let natural: Vec<i8> = units
+            .iter()
+            .flat_map(|u| u.to_le_bytes().map(|v| v as i8))
+            .collect();
+        for per in [2, 4] {
+            let got = ChunkedX::new(&panel, 0, per).bytes;
+            assert_eq!(got.len(), 5usize.div_ceil(per) * per * BLOCK);
+            for (i, &v) in got.iter().enumerate() {
+                let (h, rest) = (i / (per * BLOCK), i % (per * BLOCK));
+                let (side, k, j) = (rest / (per * 16), (rest % (per * 16)) / 16, rest % 16);
+                let c = h * per + k;
+                let want = natural.get(c * BLOCK + side * 16 + j).copied().unwrap_or(0);
+                assert_eq!(v, want, "per {per}, byte {i}");
+            }
+        }
+    }
+}
