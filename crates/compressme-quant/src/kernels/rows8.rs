@@ -28,23 +28,24 @@
 use std::arch::x86_64::{
     __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
     _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cmpgt_epi32, _mm256_cvtepi32_ps,
-    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_maskload_ps, _mm256_mul_ps,
-    _mm256_permute2f128_ps, _mm256_permute2x128_si256, _mm256_set1_epi8, _mm256_set1_epi32,
-    _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_setzero_si256,
-    _mm256_shuffle_epi8, _mm256_shuffle_ps, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi32,
-    _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpackhi_ps, _mm256_unpacklo_epi32,
-    _mm256_unpacklo_epi64, _mm256_unpacklo_ps, _mm512_add_epi32, _mm512_and_si512,
-    _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd, _mm512_cvtepi32_ps,
-    _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps,
-    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_shuffle_f32x4,
-    _mm512_shuffle_i32x4, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
-    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
-    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_maddubs_epi16,
+    _mm256_maskload_ps, _mm256_mul_ps, _mm256_permute2f128_ps, _mm256_permute2x128_si256,
+    _mm256_set1_epi8, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32,
+    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_shuffle_epi8, _mm256_shuffle_ps,
+    _mm256_sign_epi8, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi32, _mm256_unpackhi_epi32,
+    _mm256_unpackhi_epi64, _mm256_unpackhi_ps, _mm256_unpacklo_epi32, _mm256_unpacklo_epi64,
+    _mm256_unpacklo_ps, _mm512_add_epi32, _mm512_and_si512, _mm512_broadcast_i32x4,
+    _mm512_castpd_ps, _mm512_castps_pd, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps,
+    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8,
+    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
+    _mm512_shuffle_epi8, _mm512_shuffle_f32x4, _mm512_shuffle_i32x4, _mm512_srli_epi16,
+    _mm512_storeu_ps, _mm512_sub_epi32, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64,
+    _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+    _mm512_unpacklo_pd, _mm512_unpacklo_ps,
 };
 
 use super::tiles::{Kind, ROWS};
-use super::tiles8::{Minimums, Panel, group_blocks, quads_avx2, quads_avxvnni};
+use super::tiles8::{Minimums, Panel, group_blocks, quads_avxvnni};
 use super::{RowsView, ScaleRule};
 
 /// Columns of `x` that share one 8-bit step.
@@ -68,6 +69,8 @@ pub(super) fn fits(view: &RowsView<'_>) -> bool {
 /// half; blocks past the row are zeros.
 struct ChunkedX {
     bytes: Vec<i8>,
+    /// `|bytes|`, for the AVX2 tier's unsigned operand.
+    abs: Vec<i8>,
 }
 
 impl ChunkedX {
@@ -89,7 +92,8 @@ impl ChunkedX {
                 }
             }
         }
-        Self { bytes }
+        let abs = bytes.iter().map(|v| v.wrapping_abs()).collect();
+        Self { bytes, abs }
     }
 }
 
@@ -97,6 +101,7 @@ impl ChunkedX {
 /// biased codes' `128 · Σ q` per block.
 struct Xs<'a, const N: usize> {
     bytes: [&'a [i8]; N],
+    abs: [&'a [i8]; N],
     step: [&'a [f32]; N],
     bias: [&'a [i32]; N],
 }
@@ -292,15 +297,23 @@ fn dots<const N: usize>(
     let groups = blocks.div_ceil(gblocks.max(1));
     let xs: Option<Xs<'_, N>> = (|| {
         let mut bytes = [&[][..]; N];
+        let mut abs = [&[][..]; N];
         let mut step = [&[][..]; N];
         let mut bias = [&[][..]; N];
         for k in 0..N {
             let (_, s, o) = panel.block(b0 + k);
-            bytes[k] = chunked.get(b0 + k)?.bytes.get(..chunks * chunk_bytes)?;
+            let row = chunked.get(b0 + k)?;
+            bytes[k] = row.bytes.get(..chunks * chunk_bytes)?;
+            abs[k] = row.abs.get(..chunks * chunk_bytes)?;
             step[k] = s.get(..blocks)?;
             bias[k] = o.get(..blocks)?;
         }
-        Some(Xs { bytes, step, bias })
+        Some(Xs {
+            bytes,
+            abs,
+            step,
+            bias,
+        })
     })();
     let ok = gblocks > 0 && scales.fit(groups);
     let (Some(xs), true) = (xs, ok) else {
@@ -717,26 +730,49 @@ macro_rules! tile_256 {
             let mut ga = [_mm256_setzero_ps(); N];
             let mut buf = [0u8; 32];
             let chunks = blocks.div_ceil(2);
+            // chunks every row holds whole (the rows are of one length): read in place
+            let full = codes
+                .iter()
+                .skip(8 * half)
+                .take(8)
+                .map(|r| r.len() / 32)
+                .min()
+                .unwrap_or(0)
+                .min(chunks);
             // each row's products, row after row: the rows' codes are read as one stream
             for (r, row) in codes.iter().skip(8 * half).take(8).enumerate() {
                 for h in 0..chunks {
-                    let ptr = chunk_ptr(row, 32 * h, &mut buf);
-                    // SAFETY: `chunk_ptr` gives 32 readable bytes
-                    let v = unsafe { _mm256_loadu_si256(ptr.cast()) };
+                    let v = if h < full {
+                        let at = row.as_ptr().wrapping_add(32 * h);
+                        if h % 2 == 0 {
+                            // a hint only: it never faults, past the row's end included
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(AHEAD).cast());
+                        }
+                        // SAFETY: h < full: the row holds bytes 32h..32h + 32
+                        unsafe { _mm256_loadu_si256(at.cast()) }
+                    } else {
+                        let ptr = chunk_ptr(row, 32 * h, &mut buf);
+                        // SAFETY: `chunk_ptr` gives 32 readable bytes
+                        unsafe { _mm256_loadu_si256(ptr.cast()) }
+                    };
                     let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
                     let hi = _mm256_shuffle_epi8(
                         table,
                         _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
                     );
                     for k in 0..N {
-                        // SAFETY: chunk h's 64 bytes are in each row of `xs`; slot
-                        // (k · chunks + h) · 8 + r is in `pbuf` (caller)
+                        // SAFETY: chunk h's 64 bytes are in each row of `xs` (and of its
+                        // `abs`); slot (k · chunks + h) · 8 + r is in `pbuf` (caller)
                         unsafe {
                             let x = xs.bytes[k].as_ptr().add(64 * h);
+                            let a = xs.abs[k].as_ptr().add(64 * h);
                             let xlo = _mm256_loadu_si256(x.cast());
                             let xhi = _mm256_loadu_si256(x.add(32).cast());
-                            let s = $step(_mm256_setzero_si256(), lo, xlo);
-                            *pbuf.get_unchecked_mut((k * chunks + h) * 8 + r) = $step(s, hi, xhi);
+                            let alo = _mm256_loadu_si256(a.cast());
+                            let ahi = _mm256_loadu_si256(a.add(32).cast());
+                            let s = $step(_mm256_setzero_si256(), lo, xlo, alo);
+                            *pbuf.get_unchecked_mut((k * chunks + h) * 8 + r) =
+                                $step(s, hi, xhi, ahi);
                         }
                     }
                 }
@@ -784,16 +820,35 @@ macro_rules! tile_256 {
     };
 }
 
+/// `s` plus, in each 32-bit lane, the four products of signed codes `w` and signed
+/// activations `x`, given `|x|` as `a` (AVX2): `|x|` as unsigned bytes times `w` with
+/// `x`'s sign, exact pairs in `i16` (`|w| <= 127` on this tier's unbiased tables, `|x|
+/// <= 127`), then quads. One instruction fewer a step than [`super::tiles8::quads_avx2`], which takes
+/// both absolute value and sign from the codes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn quads_signed_avx2(s: __m256i, w: __m256i, x: __m256i, a: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w, x));
+    _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// [`quads_avxvnni`], with the `|x|` it does not need.
+#[inline]
+#[target_feature(enable = "avx2,fma,avxvnni")]
+fn quads_biased_avxvnni(s: __m256i, w: __m256i, x: __m256i, _a: __m256i) -> __m256i {
+    quads_avxvnni(s, w, x)
+}
+
 tile_256!(
     tile_avx2,
     "avx2,fma",
-    quads_avx2,
+    quads_signed_avx2,
     |s: __m256i, _b: __m256i| s
 );
 tile_256!(
     tile_avxvnni,
     "avx2,fma,avxvnni",
-    quads_avxvnni,
+    quads_biased_avxvnni,
     |s: __m256i, b: __m256i| _mm256_sub_epi32(s, b)
 );
 
