@@ -8,10 +8,10 @@
 use std::arch::x86_64::{
     __m128i, __m256, __m256i, _mm_add_ps, _mm_and_si128, _mm_cvtss_f32, _mm_hadd_ps,
     _mm_loadu_si128, _mm_set1_epi8, _mm_shuffle_epi8, _mm_srli_epi16, _mm_storeu_si128,
-    _mm256_add_epi32, _mm256_castps256_ps128, _mm256_castsi256_ps, _mm256_cvtepi8_epi16,
-    _mm256_cvtepi32_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_extractf128_ps,
-    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_set1_ps,
-    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32,
+    _mm256_add_epi32, _mm256_add_ps, _mm256_castps256_ps128, _mm256_castsi256_ps,
+    _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+    _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16,
+    _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32, _mm256_storeu_ps,
 };
 
 use super::{RowScales, RowsView, STEP, portable};
@@ -528,6 +528,82 @@ pub(super) fn dot_f32(t: Token, a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: the token proves AVX2 and FMA; the loop reads `body <= n` values of each.
     let head = unsafe { dot_f32_imp(a, b, body) };
     head + portable::dot_f32(a.get(body..n).unwrap_or(&[]), b.get(body..n).unwrap_or(&[]))
+}
+
+/// `out[b] + dot_f32(a, column b of xt)` into `out[b]` for every `b < out.len()`, bit for
+/// bit what [`dot_f32`] gives a column at a time, eight columns a step: `xt` is `a.len()`
+/// rows of `stride` values (a row a term of the dot). The same arithmetic in the same
+/// order, lane by lane: eight `fma` chains, the same tree of additions as [`hsum`], then
+/// the portable tail.
+pub(super) fn add_dot_f32_columns(t: Token, a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
+    let n = a.len();
+    let fits = stride.is_multiple_of(8)
+        && stride >= out.len()
+        && n.checked_mul(stride).is_some_and(|len| len <= xt.len());
+    if !fits {
+        let mut col = vec![0f32; n];
+        for (b, o) in out.iter_mut().enumerate() {
+            for (j, c) in col.iter_mut().enumerate() {
+                *c = xt.get(j * stride + b).copied().unwrap_or(0.0);
+            }
+            *o += dot_f32(t, a, &col);
+        }
+        return;
+    }
+    // SAFETY: the token proves AVX2 and FMA; every load reads 8 values of a row of `xt`
+    // from column `8c <= out.len() - 1 < stride`, a multiple of 8: inside the row
+    unsafe { add_dot_f32_columns_imp(a, xt, stride, out) };
+}
+
+/// # Safety
+/// AVX2 and FMA present; `stride` a multiple of 8 and at least `out.len()`; `xt` at least
+/// `a.len() · stride` long.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
+    let n = a.len();
+    let body = n / 8 * 8;
+    let no_tail = portable::dot_f32(&[], &[]);
+    let mut tail = [0f32; 8];
+    let mut head = [0f32; 8];
+    let mut c0 = 0;
+    while c0 < out.len() {
+        let mut p = [_mm256_setzero_ps(); 8];
+        let mut j = 0;
+        while j < body {
+            // (a plain loop: iterators here are not inlined into the caller's features)
+            #[allow(clippy::needless_range_loop)]
+            for l in 0..8 {
+                // SAFETY: j + l < body <= n: row j + l of `xt` holds columns c0..c0 + 8
+                // (caller)
+                let x = unsafe { _mm256_loadu_ps(xt.as_ptr().add((j + l) * stride + c0)) };
+                p[l] = _mm256_fmadd_ps(_mm256_set1_ps(a[j + l]), x, p[l]);
+            }
+            j += 8;
+        }
+        // hsum's tree: lanes i and i + 4, then pairs, then the two halves
+        let s0 = _mm256_add_ps(p[0], p[4]);
+        let s1 = _mm256_add_ps(p[1], p[5]);
+        let s2 = _mm256_add_ps(p[2], p[6]);
+        let s3 = _mm256_add_ps(p[3], p[7]);
+        let h = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+        // SAFETY: 8 f32
+        unsafe { _mm256_storeu_ps(head.as_mut_ptr(), h) };
+        let cols = (out.len() - c0).min(8);
+        for (c, &hc) in head.iter().enumerate().take(cols) {
+            let t = if body == n {
+                no_tail
+            } else {
+                for (i, v) in tail.iter_mut().enumerate().take(n - body) {
+                    *v = xt.get((body + i) * stride + c0 + c).copied().unwrap_or(0.0);
+                }
+                portable::dot_f32(a.get(body..).unwrap_or(&[]), &tail[..n - body])
+            };
+            if let Some(o) = out.get_mut(c0 + c) {
+                *o += hc + t;
+            }
+        }
+        c0 += 8;
+    }
 }
 
 /// # Safety

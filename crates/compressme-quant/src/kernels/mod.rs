@@ -1092,11 +1092,10 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
         let view = RowsView::new(w, kp);
         // INT4's minimums, one a group of each row
         let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
-        let dot = |a: &[f32], b: &[f32]| isa.dot_f32(a, b);
         if batch <= rows8::MAX_BATCH {
-            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, &dot);
+            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins);
         } else {
-            tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, &dot);
+            tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins);
         }
         return;
     }

@@ -159,7 +159,7 @@ impl<'a> TileScales<'a> {
 
 /// The whole product for `batch <= MAX_BATCH` rows of finite `x`: `yt` is `[rows, batch]`;
 /// the same outputs, bit for bit, as [`super::tiles8::run`] gives each row of `x` (see
-/// there for `mins` and `dot`).
+/// there for `mins`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     kind: Kind,
@@ -170,7 +170,6 @@ pub(super) fn run(
     rows: usize,
     yt: &mut [f32],
     mins: Option<&[f32]>,
-    dot: &(dyn Fn(&[f32], &[f32]) -> f32 + Sync),
 ) {
     let Some(lut) = view.lut else {
         return;
@@ -235,14 +234,16 @@ pub(super) fn run(
                     let b = b0 + k;
                     for (r, &v) in s.iter().take(n).enumerate() {
                         if let Some(o) = out.get_mut(r * batch + b) {
-                            *o = match mins {
-                                Some(_) => v + minimums.term(first + r, b, dot),
-                                None => v,
-                            };
+                            *o = v;
                         }
                     }
                 }
                 b0 += m;
+            }
+            for r in 0..n {
+                if let Some(yr) = out.get_mut(r * batch..(r + 1) * batch) {
+                    minimums.add_terms(kind, first + r, yr);
+                }
             }
         },
     );

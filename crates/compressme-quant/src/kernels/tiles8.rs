@@ -569,14 +569,25 @@ pub(super) fn group_blocks(view: &RowsView<'_>, blocks: usize) -> usize {
 }
 
 /// `Int4Block`'s minimums against the rounded `x`: each row's minimums (one a group) and
-/// each `x` row's group sums.
+/// each `x` row's group sums; for a batch of [`Self::COLUMNS`] or more also held a group a
+/// row (`[groups][stride]`), so that one weight row's terms for the whole batch are
+/// computed together.
 pub(super) struct Minimums<'a> {
     mins: Option<&'a [f32]>,
+    /// `x` row `b`'s group sums at `b · groups..`.
     xsums: Vec<f32>,
+    /// Group `g`'s sum for `x` row `b` at `g · stride + b` (empty for small batches).
+    xt: Vec<f32>,
+    stride: usize,
+    batch: usize,
     groups: usize,
 }
 
 impl<'a> Minimums<'a> {
+    /// The smallest batch whose terms are computed eight `x` rows a step (below it, one
+    /// `x` row at a time is faster: at batch 1 the steps would be 1/8 full).
+    const COLUMNS: usize = 8;
+
     /// For `batch` rows of `panel` in groups of `gblocks` blocks; `mins` is `None` for the
     /// formats without minimums.
     pub(super) fn new(
@@ -585,35 +596,67 @@ impl<'a> Minimums<'a> {
         gblocks: usize,
         mins: Option<&'a [f32]>,
     ) -> Self {
+        let groups = panel.blocks().div_ceil(gblocks.max(1));
+        let stride = batch.next_multiple_of(8);
         let xsums = match mins {
             Some(_) => panel.group_sums(batch, gblocks),
             None => Vec::new(),
         };
+        let mut xt = Vec::new();
+        if mins.is_some() && batch >= Self::COLUMNS {
+            xt = vec![0f32; groups * stride];
+            for (b, row) in xsums.chunks(groups.max(1)).enumerate().take(batch) {
+                for (g, &v) in row.iter().enumerate() {
+                    if let Some(o) = xt.get_mut(g * stride + b) {
+                        *o = v;
+                    }
+                }
+            }
+        }
         Self {
             mins,
             xsums,
-            groups: panel.blocks().div_ceil(gblocks.max(1)),
+            xt,
+            stride,
+            batch,
+            groups,
         }
     }
 
-    /// What weight row `r`'s minimums add to its output for `x` row `b`: `dot` of the two.
-    pub(super) fn term(
-        &self,
-        r: usize,
-        b: usize,
-        dot: &(dyn Fn(&[f32], &[f32]) -> f32 + Sync),
-    ) -> f32 {
+    /// Adds what weight row `r`'s minimums add to its outputs, `out[b]` for `x` row `b`
+    /// (`out` at most the batch long): the dot product of the row's minimums with the `x`
+    /// row's group sums, [`super::avx2::dot_f32`]'s arithmetic to the bit at any batch,
+    /// `out[b] + dot`. Nothing for the formats without minimums; `+ 0` for a row without
+    /// them.
+    pub(super) fn add_terms(&self, kind: Kind, r: usize, out: &mut [f32]) {
+        let Some(mins) = self.mins else {
+            return;
+        };
         let g = self.groups;
-        match (self.mins, self.xsums.get(b * g..(b + 1) * g)) {
-            (Some(m), Some(sx)) => m.get(r * g..(r + 1) * g).map_or(0.0, |m| dot(m, sx)),
-            _ => 0.0,
+        let n = out.len().min(self.batch);
+        let out = &mut out[..n];
+        let Some(m) = r.checked_mul(g).and_then(|at| mins.get(at..at + g)) else {
+            for o in out {
+                *o += 0.0;
+            }
+            return;
+        };
+        let t = kind.avx2();
+        if self.xt.is_empty() {
+            for (b, o) in out.iter_mut().enumerate() {
+                let sx = self.xsums.get(b * g..(b + 1) * g);
+                *o += sx.map_or(0.0, |sx| super::avx2::dot_f32(t, m, sx));
+            }
+        } else {
+            super::avx2::add_dot_f32_columns(t, m, &self.xt, self.stride, out);
         }
     }
 }
 
 /// The whole product: `yt` is `[rows, batch]`; each output is its row's sum plus, when
-/// `mins` is given (`Int4Block`: each row's minimums, one a group), `dot` of the row's
-/// minimums with the rounded `x` row's group sums, so the output is the rounded `x`
+/// `mins` is given (`Int4Block`: each row's minimums, one a group), the dot product of the
+/// row's minimums with the rounded `x` row's group sums ([`Minimums::add_terms`]), so the
+/// output is the rounded `x`
 /// against the weights as they are, `Σ (s_g c_j + min_g) x~_j`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
@@ -625,7 +668,6 @@ pub(super) fn run(
     rows: usize,
     yt: &mut [f32],
     mins: Option<&[f32]>,
-    dot: &(dyn Fn(&[f32], &[f32]) -> f32 + Sync),
 ) {
     let lanes = kind.lanes();
     let panel = Panel::new(x, batch, cols, view.lut.is_some(), lanes);
@@ -635,7 +677,6 @@ pub(super) fn run(
     let groups = blocks.div_ceil(gblocks);
     let panels = batch.div_ceil(lanes);
     let minimums = Minimums::new(&panel, batch, gblocks, mins);
-    let term = |r: usize, b: usize| minimums.term(r, b, dot);
     super::run_tasks(
         yt,
         batch * ROWS,
@@ -658,13 +699,15 @@ pub(super) fn run(
                             continue;
                         };
                         let ys = yr.get_mut(k * lanes..).unwrap_or(&mut []);
-                        for (l, (o, &v)) in ys.iter_mut().zip(dr.iter().take(lanes)).enumerate() {
-                            *o = match mins {
-                                Some(_) => v + term(first + row, k * lanes + l),
-                                None => v,
-                            };
+                        for (o, &v) in ys.iter_mut().zip(dr.iter().take(lanes)) {
+                            *o = v;
                         }
                     }
+                }
+            }
+            for row in 0..n {
+                if let Some(yr) = out.get_mut(row * batch..(row + 1) * batch) {
+                    minimums.add_terms(kind, first + row, yr);
                 }
             }
         },
@@ -773,6 +816,45 @@ mod tests {
 
     /// The panel holds each block rounded with its own step, in the asked order, and the
     /// bias is `128 · Σ q`.
+    /// A row's minimum terms for a whole batch at once are, bit for bit, the dot product
+    /// `avx2::dot_f32` gives each `x` row alone, added to the output after it: on lengths
+    /// with and without a tail, batches that fill part of a vector, and signed zeros,
+    /// subnormals and values far apart in magnitude.
+    #[test]
+    fn batched_minimum_terms_give_the_bits_of_one_dot_a_row() {
+        let Some(t) = super::super::avx2::Token::detect() else {
+            eprintln!("skipped: batched_minimum_terms_give_the_bits_of_one_dot_a_row (no AVX2)");
+            return;
+        };
+        let mut next = xorshift(0x1f2e_3d4c);
+        let mut value = || match next() % 9 {
+            0 => -0.0,
+            1 => 0.0,
+            2 => f32::from_bits(next() % 0x0080_0000),
+            3 => (next() % 2001) as f32 * 1e6 - 1e9,
+            _ => (next() % 2001) as f32 / 1000.0 - 1.0,
+        };
+        for n in [1, 5, 8, 9, 16, 63, 64, 67] {
+            for batch in [1usize, 3, 8, 9, 17, 32] {
+                let stride = batch.next_multiple_of(8);
+                let a: Vec<f32> = (0..n).map(|_| value()).collect();
+                let xt: Vec<f32> = (0..n * stride).map(|_| value()).collect();
+                let before: Vec<f32> = (0..batch).map(|_| value()).collect();
+                let mut got = before.clone();
+                super::super::avx2::add_dot_f32_columns(t, &a, &xt, stride, &mut got);
+                for (b, (&g, &v)) in got.iter().zip(&before).enumerate() {
+                    let col: Vec<f32> = (0..n).map(|j| xt[j * stride + b]).collect();
+                    let want = v + super::super::avx2::dot_f32(t, &a, &col);
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "n {n}, batch {batch}, column {b}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_panel_is_each_block_rounded_with_its_step() {
         let cols = 40;
