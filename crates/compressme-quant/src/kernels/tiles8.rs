@@ -123,6 +123,26 @@ impl Panel {
     /// `x` (`[batch, cols]`, every value finite) for `lanes` lanes; `nibbles` puts each
     /// block in nibble order.
     pub(super) fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
+        if super::avx2::Token::detect().is_some() {
+            // SAFETY: the CPU was just seen to have AVX2
+            return unsafe { Self::new_avx2(x, batch, cols, nibbles, lanes) };
+        }
+        Self::build(x, batch, cols, nibbles, lanes)
+    }
+
+    /// [`Self::build`] compiled with AVX2, so its loops vectorize 8 wide (the same IEEE
+    /// operations, so the same bits; at batch 32 it took a tenth of the product's time
+    /// at the baseline's SSE2).
+    ///
+    /// # Safety
+    /// AVX2 present.
+    #[target_feature(enable = "avx2")]
+    unsafe fn new_avx2(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
+        Self::build(x, batch, cols, nibbles, lanes)
+    }
+
+    #[inline(always)]
+    fn build(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
         let kp = cols.div_ceil(BLOCK) * BLOCK;
         let (units, blocks) = (kp / 4, kp / BLOCK);
         let panels = batch.div_ceil(lanes);
