@@ -29,17 +29,17 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256, __m256i, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
+    __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
     _mm256_broadcastsi128_si256, _mm256_castpd_ps, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
     _mm256_maskz_loadu_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_sub_epi32, _mm512_add_epi32,
-    _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd, _mm512_castps512_ps256,
-    _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16, _mm512_cvtepi32_ps,
-    _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_dpwssd_epi32,
-    _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_loadu_si512, _mm512_maskz_loadu_epi8, _mm512_maskz_loadu_epi16,
-    _mm512_maskz_loadu_epi32, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_setr_epi64,
-    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_slli_epi32,
-    _mm512_srli_epi16, _mm512_sub_epi32,
+    _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd,
+    _mm512_castps512_ps256, _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16,
+    _mm512_cvtepi32_ps, _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32,
+    _mm512_dpwssd_epi32, _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
+    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_maskz_loadu_epi8, _mm512_maskz_loadu_epi16,
+    _mm512_maskz_loadu_epi32, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_set1_ps,
+    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
+    _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
 };
 
 use super::avx2::{self, following, hsum};
@@ -416,4 +416,93 @@ unsafe fn half_tile_imp<const R: usize, const P: usize, const BF16: bool>(
             ]
         })
     })
+}
+
+/// [`avx2::add_dot_f32_columns`] sixteen or 32 columns a step: the same arithmetic lane by
+/// lane (eight `fma` chains, `hsum`'s tree, then the portable tail), so the same bits; a
+/// weight's broadcast serves two vectors of columns. A `stride` that is not a multiple of
+/// 16 runs the AVX2 code.
+pub(super) fn add_dot_f32_columns(t: Token, a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
+    let fits = stride.is_multiple_of(16)
+        && stride >= out.len()
+        && a.len()
+            .checked_mul(stride)
+            .is_some_and(|len| len <= xt.len());
+    if !fits {
+        avx2::add_dot_f32_columns(t.avx2(), a, xt, stride, out);
+        return;
+    }
+    // SAFETY: the token proves the features; every load reads 16 values of a row of `xt`
+    // from a column `c < out.len() <= stride`, a multiple of 16, and a second vector only
+    // where `c + 32 <= stride`: inside the row
+    unsafe { add_dot_f32_columns_imp(a, xt, stride, out) };
+}
+
+/// `hsum`'s tree over eight vectors of lanes: `((p0 + p4) + (p1 + p5)) + ((p2 + p6) + (p3
+/// + p7))`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn tree(p: &[__m512; 8]) -> __m512 {
+    let s0 = _mm512_add_ps(p[0], p[4]);
+    let s1 = _mm512_add_ps(p[1], p[5]);
+    let s2 = _mm512_add_ps(p[2], p[6]);
+    let s3 = _mm512_add_ps(p[3], p[7]);
+    _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3))
+}
+
+/// # Safety
+/// AVX-512 F and FMA present; `stride` a multiple of 16 and at least `out.len()`; `xt` at
+/// least `a.len() · stride` long.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
+    let n = a.len();
+    let body = n / 8 * 8;
+    let no_tail = super::portable::dot_f32(&[], &[]);
+    let mut tail = [0f32; 8];
+    let mut head = [0f32; 32];
+    let mut c0 = 0;
+    while c0 < out.len() {
+        let two = c0 + 32 <= stride;
+        let mut p0 = [_mm512_setzero_ps(); 8];
+        let mut p1 = [_mm512_setzero_ps(); 8];
+        let mut j = 0;
+        // (plain loops: iterators here are not inlined into the caller's features)
+        #[allow(clippy::needless_range_loop)]
+        while j < body {
+            for l in 0..8 {
+                // SAFETY: j + l < body <= n: row j + l of `xt` holds columns c0..c0 + 16,
+                // and c0 + 16..c0 + 32 when `two` (caller)
+                unsafe {
+                    let row = xt.as_ptr().add((j + l) * stride + c0);
+                    let m = _mm512_set1_ps(*a.get_unchecked(j + l));
+                    p0[l] = _mm512_fmadd_ps(m, _mm512_loadu_ps(row), p0[l]);
+                    if two {
+                        p1[l] = _mm512_fmadd_ps(m, _mm512_loadu_ps(row.add(16)), p1[l]);
+                    }
+                }
+            }
+            j += 8;
+        }
+        // SAFETY: 16 f32 each, inside `head`
+        unsafe {
+            _mm512_storeu_ps(head.as_mut_ptr(), tree(&p0));
+            _mm512_storeu_ps(head.as_mut_ptr().add(16), tree(&p1));
+        }
+        let width = if two { 32 } else { 16 };
+        let cols = (out.len() - c0).min(width);
+        for (c, &hc) in head.iter().enumerate().take(cols) {
+            let t = if body == n {
+                no_tail
+            } else {
+                for (i, v) in tail.iter_mut().enumerate().take(n - body) {
+                    *v = xt.get((body + i) * stride + c0 + c).copied().unwrap_or(0.0);
+                }
+                super::portable::dot_f32(a.get(body..).unwrap_or(&[]), &tail[..n - body])
+            };
+            if let Some(o) = out.get_mut(c0 + c) {
+                *o += hc + t;
+            }
+        }
+        c0 += width;
+    }
 }

@@ -596,7 +596,8 @@ pub(super) struct Minimums<'a> {
     mins: Option<&'a [f32]>,
     /// `x` row `b`'s group sums at `b · groups..`.
     xsums: Vec<f32>,
-    /// Group `g`'s sum for `x` row `b` at `g · stride + b` (empty for small batches).
+    /// Group `g`'s sum for `x` row `b` at `g · stride + b`, `stride` the batch rounded up
+    /// to 16 (empty for small batches).
     xt: Vec<f32>,
     stride: usize,
     batch: usize,
@@ -617,7 +618,7 @@ impl<'a> Minimums<'a> {
         mins: Option<&'a [f32]>,
     ) -> Self {
         let groups = panel.blocks().div_ceil(gblocks.max(1));
-        let stride = batch.next_multiple_of(8);
+        let stride = batch.next_multiple_of(16);
         let xsums = match mins {
             Some(_) => panel.group_sums(batch, gblocks),
             None => Vec::new(),
@@ -667,6 +668,8 @@ impl<'a> Minimums<'a> {
                 let sx = self.xsums.get(b * g..(b + 1) * g);
                 *o += sx.map_or(0.0, |sx| super::avx2::dot_f32(t, m, sx));
             }
+        } else if let Kind::Avx512(t) = kind {
+            super::avx512::add_dot_f32_columns(t, m, &self.xt, self.stride, out);
         } else {
             super::avx2::add_dot_f32_columns(t, m, &self.xt, self.stride, out);
         }
@@ -836,8 +839,9 @@ mod tests {
 
     /// The panel holds each block rounded with its own step, in the asked order, and the
     /// bias is `128 · Σ q`.
-    /// A row's minimum terms for a whole batch at once are, bit for bit, the dot product
-    /// `avx2::dot_f32` gives each `x` row alone, added to the output after it: on lengths
+    /// A row's minimum terms for a whole batch at once (the AVX2 and the AVX-512 code) are,
+    /// bit for bit, the dot product `avx2::dot_f32` gives each `x` row alone, added to the
+    /// output after it: on lengths
     /// with and without a tail, batches that fill part of a vector, and signed zeros,
     /// subnormals and values far apart in magnitude.
     #[test]
@@ -854,22 +858,39 @@ mod tests {
             3 => (next() % 2001) as f32 * 1e6 - 1e9,
             _ => (next() % 2001) as f32 / 1000.0 - 1.0,
         };
+        let t512 = super::super::avx512::Token::detect();
+        if t512.is_none() {
+            eprintln!(
+                "skipped: batched_minimum_terms_give_the_bits_of_one_dot_a_row on AVX-512 \
+                 (this CPU lacks AVX-512 VNNI)"
+            );
+        }
         for n in [1, 5, 8, 9, 16, 63, 64, 67] {
-            for batch in [1usize, 3, 8, 9, 17, 32] {
-                let stride = batch.next_multiple_of(8);
-                let a: Vec<f32> = (0..n).map(|_| value()).collect();
-                let xt: Vec<f32> = (0..n * stride).map(|_| value()).collect();
-                let before: Vec<f32> = (0..batch).map(|_| value()).collect();
-                let mut got = before.clone();
-                super::super::avx2::add_dot_f32_columns(t, &a, &xt, stride, &mut got);
-                for (b, (&g, &v)) in got.iter().zip(&before).enumerate() {
-                    let col: Vec<f32> = (0..n).map(|j| xt[j * stride + b]).collect();
-                    let want = v + super::super::avx2::dot_f32(t, &a, &col);
-                    assert_eq!(
-                        g.to_bits(),
-                        want.to_bits(),
-                        "n {n}, batch {batch}, column {b}"
-                    );
+            for batch in [1usize, 3, 8, 9, 17, 32, 40] {
+                for wide in [false, true] {
+                    let stride = batch.next_multiple_of(if wide { 16 } else { 8 });
+                    let a: Vec<f32> = (0..n).map(|_| value()).collect();
+                    let xt: Vec<f32> = (0..n * stride).map(|_| value()).collect();
+                    let before: Vec<f32> = (0..batch).map(|_| value()).collect();
+                    let mut got = before.clone();
+                    match (wide, t512) {
+                        (false, _) => {
+                            super::super::avx2::add_dot_f32_columns(t, &a, &xt, stride, &mut got)
+                        }
+                        (true, Some(t5)) => {
+                            super::super::avx512::add_dot_f32_columns(t5, &a, &xt, stride, &mut got)
+                        }
+                        (true, None) => continue,
+                    }
+                    for (b, (&g, &v)) in got.iter().zip(&before).enumerate() {
+                        let col: Vec<f32> = (0..n).map(|j| xt[j * stride + b]).collect();
+                        let want = v + super::super::avx2::dot_f32(t, &a, &col);
+                        assert_eq!(
+                            g.to_bits(),
+                            want.to_bits(),
+                            "n {n}, batch {batch}, column {b}, AVX-512 {wide}"
+                        );
+                    }
                 }
             }
         }
