@@ -15,8 +15,9 @@
 //! their product vectors stay in registers and are added and transposed until one vector
 //! holds one block's exact sum for every row, a row a lane: the `S` of [`super::tiles8`].
 //! (Reading each row whole before the next, with the products kept in a buffer, took
-//! 1.18x the time on AVX-512 and up to 1.9x on AVX-VNNI.) The rest is its float arithmetic, a lane a row: `a_g = fma(S, s, a_g)` a block,
-//! `acc = fma(a_g, w_g, acc)` a group, `Int4Block`'s minimums added last.
+//! 1.18x the time on AVX-512 and up to 1.9x on AVX-VNNI.) The rest is its float
+//! arithmetic, a lane a row: `a_g = fma(S, s, a_g)` a block, `acc = fma(a_g, w_g, acc)` a
+//! group, `Int4Block`'s minimums added last.
 //!
 //! Nothing is widened or copied to memory: at batch 1 the codes are read once, in place,
 //! 64 products an instruction (the 14-bit path splits each activation into two bytes and
