@@ -562,8 +562,6 @@ pub(super) fn add_dot_f32_columns(t: Token, a: &[f32], xt: &[f32], stride: usize
 unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
     let n = a.len();
     let body = n / 8 * 8;
-    let no_tail = portable::dot_f32(&[], &[]);
-    let mut tail = [0f32; 8];
     let mut head = [0f32; 8];
     let mut c0 = 0;
     while c0 < out.len() {
@@ -589,20 +587,38 @@ unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mu
         // SAFETY: 8 f32
         unsafe { _mm256_storeu_ps(head.as_mut_ptr(), h) };
         let cols = (out.len() - c0).min(8);
-        for (c, &hc) in head.iter().enumerate().take(cols) {
-            let t = if body == n {
-                no_tail
-            } else {
-                for (i, v) in tail.iter_mut().enumerate().take(n - body) {
-                    *v = xt.get((body + i) * stride + c0 + c).copied().unwrap_or(0.0);
-                }
-                portable::dot_f32(a.get(body..).unwrap_or(&[]), &tail[..n - body])
-            };
-            if let Some(o) = out.get_mut(c0 + c) {
-                *o += hc + t;
-            }
-        }
+        add_heads(a, xt, stride, c0, &head[..cols], out);
         c0 += 8;
+    }
+}
+
+/// The end of a step of the column dots: `out[c0 + c] += head[c] + tail`, the tail being
+/// [`portable::dot_f32`] of `a`'s last `a.len() % 8` terms and column `c0 + c`'s (as
+/// [`dot_f32`] adds it). Shared by the AVX2 and AVX-512 steps.
+pub(super) fn add_heads(
+    a: &[f32],
+    xt: &[f32],
+    stride: usize,
+    c0: usize,
+    head: &[f32],
+    out: &mut [f32],
+) {
+    let n = a.len();
+    let body = n / 8 * 8;
+    let no_tail = portable::dot_f32(&[], &[]);
+    let mut tail = [0f32; 8];
+    for (c, &hc) in head.iter().enumerate() {
+        let t = if body == n {
+            no_tail
+        } else {
+            for (i, v) in tail.iter_mut().enumerate().take(n - body) {
+                *v = xt.get((body + i) * stride + c0 + c).copied().unwrap_or(0.0);
+            }
+            portable::dot_f32(a.get(body..).unwrap_or(&[]), &tail[..n - body])
+        };
+        if let Some(o) = out.get_mut(c0 + c) {
+            *o += hc + t;
+        }
     }
 }
 

@@ -457,8 +457,6 @@ fn tree(p: &[__m512; 8]) -> __m512 {
 unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
     let n = a.len();
     let body = n / 8 * 8;
-    let no_tail = super::portable::dot_f32(&[], &[]);
-    let mut tail = [0f32; 8];
     let mut head = [0f32; 32];
     let mut c0 = 0;
     while c0 < out.len() {
@@ -490,19 +488,7 @@ unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mu
         }
         let width = if two { 32 } else { 16 };
         let cols = (out.len() - c0).min(width);
-        for (c, &hc) in head.iter().enumerate().take(cols) {
-            let t = if body == n {
-                no_tail
-            } else {
-                for (i, v) in tail.iter_mut().enumerate().take(n - body) {
-                    *v = xt.get((body + i) * stride + c0 + c).copied().unwrap_or(0.0);
-                }
-                super::portable::dot_f32(a.get(body..).unwrap_or(&[]), &tail[..n - body])
-            };
-            if let Some(o) = out.get_mut(c0 + c) {
-                *o += hc + t;
-            }
-        }
+        avx2::add_heads(a, xt, stride, c0, &head[..cols], out);
         c0 += width;
     }
 }

@@ -318,8 +318,8 @@ fn dots<const N: usize>(
     let mut out = [[0f32; ROWS]; N];
     // SAFETY (every call below): the token in `kind` proves the features; `xs` holds
     // `chunks` whole chunks a row and a step and bias a block, and every row's scales are
-    // in `scales`; the kernels load a row's codes in place only where the row holds the whole chunk,
-    // and copy it otherwise.
+    // in `scales`; the kernels load a row's codes in place only where the row holds the
+    // whole chunk, and copy it otherwise.
     match kind {
         Kind::Avx512(_) => {
             // SAFETY: above
