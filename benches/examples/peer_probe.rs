@@ -1,14 +1,22 @@
 //! One of our formats against one of candle's (llama.cpp's formats) on the same 4096 x
 //! 4096 weights, in strict alternation, for a speed ratio that a noisy machine cannot tilt:
 //! `cargo run --release -p compressme-benches --example peer_probe -- FORMAT PEER [PAIRS
-//! [BATCH [MATRICES [TIER]]]]` (defaults `nf4-g64 q4k 400 1 1 best`; PEER is `q8_0`, `q4_0`,
-//! `q4k`, `q6k` or `q5_0`).
+//! [BATCH [MATRICES [TIER [RUN]]]]]` (defaults `nf4-g64 q4k 400 1 1 best 1`; PEER is `q8_0`,
+//! `q4_0`, `q4k`, `q6k` or `q5_0`).
 //!
 //! Each pair times one product of ours and one of candle's, one right after the other (the
 //! order swapped every pair), on matrix `p % MATRICES` of both sides: 1 keeps the weights
 //! in cache, 8 or more (9 MB of 4-bit weights each, a side) streams them from memory. It
 //! prints the median and quartiles of the per-pair ratios (ours over candle's time) and
 //! each side's median time. The thread count is `RAYON_NUM_THREADS`'s, for both sides.
+//!
+//! With RUN above 1, each side of a pair is a run of RUN products back to back (its time
+//! the median of the run's products after the first), and the process sleeps 5 ms before
+//! each run. On more than one thread this is the fair comparison: candle's worker threads
+//! spin for about a millisecond after each product (its barrier pool) and rayon's go to
+//! sleep sooner, so in strict alternation each side's product shares the cores with the
+//! other side's idle workers, and ours wakes sleeping ones. A run measures each side as a
+//! model runs it, one product after another.
 use std::time::Instant;
 
 use candle_core::quantized::{QMatMul, QTensor};
@@ -31,6 +39,10 @@ fn main() -> Result<(), String> {
     let pairs = count(400)?.max(1);
     let batch = count(1)?.max(1);
     let mats = count(1)?.max(1);
+    let run = match std::env::args().nth(7) {
+        None => 1,
+        Some(v) => v.parse::<usize>().map_err(|e| format!("{v}: {e}"))?.max(1),
+    };
     let tier = match std::env::args().nth(6) {
         None => Tier::best(),
         Some(t) if t == "best" => Tier::best(),
@@ -84,15 +96,30 @@ fn main() -> Result<(), String> {
         run_ours(i)?;
         run_theirs(i)?;
     }
+    // one product, or the median of a run's products after its first
+    let timed = |f: &mut dyn FnMut(usize) -> Result<f64, String>, p: usize| {
+        if run == 1 {
+            return f(p % mats);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let mut t = Vec::with_capacity(run);
+        for k in 0..run {
+            let dt = f((p * run + k) % mats)?;
+            if k > 0 {
+                t.push(dt);
+            }
+        }
+        Ok(median(t))
+    };
     let (mut a, mut b, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    let mut run_theirs = run_theirs;
     for p in 0..pairs {
-        let i = p % mats;
         let (ta, tb) = if p % 2 == 0 {
-            let ta = run_ours(i)?;
-            (ta, run_theirs(i)?)
+            let ta = timed(&mut run_ours, p)?;
+            (ta, timed(&mut run_theirs, p)?)
         } else {
-            let tb = run_theirs(i)?;
-            (run_ours(i)?, tb)
+            let tb = timed(&mut run_theirs, p)?;
+            (timed(&mut run_ours, p)?, tb)
         };
         a.push(ta);
         b.push(tb);
@@ -107,9 +134,14 @@ fn main() -> Result<(), String> {
         rayon::current_num_threads()
     );
     println!(
-        "{name} [{tier}] over candle {peer:?}, batch {batch}, {mats} matri{}, {pairs} pairs: \
+        "{name} [{tier}] over candle {peer:?}, batch {batch}, {mats} matri{}, {pairs} pairs{}: \
          median ratio {:.3} (quartiles {:.3}-{:.3}); median ms ours {:.3}, candle {:.3}",
         if mats == 1 { "x" } else { "ces" },
+        if run > 1 {
+            format!(" of runs of {run}")
+        } else {
+            String::new()
+        },
         q(0.5),
         q(0.25),
         q(0.75),

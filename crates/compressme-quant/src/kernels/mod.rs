@@ -2,8 +2,6 @@
 //!
 //! See [`matmul`] for the arithmetic and its error bound.
 
-use rayon::prelude::*;
-
 use crate::{Error, Format, Packed, Result};
 
 #[cfg(target_arch = "x86_64")]
@@ -37,6 +35,7 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avxvnni;
+mod pool;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod rows8;
@@ -789,7 +788,7 @@ impl<'a> RowsView<'a> {
 /// `y = x W^T` for `x: [batch, cols]` and packed `W: [rows, cols]`, giving `[batch, rows]`.
 ///
 /// Reads the packed bytes directly; `W` is never held in f32. Output rows are spread over
-/// all cores (rayon).
+/// all cores (the kernels' own pool, as many threads as rayon's; see `pool`).
 ///
 /// # Arithmetic
 /// - **Integer formats** (`Int8`, `Int8Rows`, `Int8Block`, `Nf4`, `Nf4Block`, `Int4Block`): each row of
@@ -1104,13 +1103,18 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
     f32_rows(x, batch, w, yt);
 }
 
-/// Multiply-adds below which a call stays on the calling thread: waking the pool costs
-/// tens of microseconds, as much as a small layer's whole product.
+/// Multiply-adds below which a call stays on the calling thread: sharing a product costs
+/// a few microseconds even with the pool's workers awake (tens when they sleep), as much
+/// as a small layer's whole product. With the pool, SmolLM2's NF4-g64 generation on two
+/// threads ran 48.6, 50.2 and 52.2 tokens a second with this threshold at 2M, 128K and
+/// 16K multiply-adds (3 rounds each): within this machine's noise, so it stays.
 const PARALLEL_MIN_MACS: usize = 1 << 21;
 
-/// Runs `f(state, (index, piece))` over `chunk`-sized pieces of `out`: on all of rayon's
-/// threads when there are several and `macs` is large enough to pay for waking them,
-/// otherwise in order on this thread.
+/// Runs `f(state, (index, piece))` over `chunk`-sized pieces of `out`: on the kernel
+/// pool's threads ([`pool`]) when there are several and `macs` is large enough to pay for
+/// sharing the work, otherwise in order on this thread. Shared, the pieces go out in
+/// contiguous runs (four a thread), so a thread reads weight rows in order and its
+/// prefetches of the rows below land on its own next rows; `init` makes one state a run.
 fn run_tasks<S>(
     out: &mut [f32],
     chunk: usize,
@@ -1119,14 +1123,37 @@ fn run_tasks<S>(
     f: impl Fn(&mut S, (usize, &mut [f32])) + Sync + Send,
 ) {
     let chunk = chunk.max(1);
-    if macs < PARALLEL_MIN_MACS || rayon::current_num_threads() < 2 {
+    let tasks = out.len().div_ceil(chunk);
+    let threads = if macs < PARALLEL_MIN_MACS {
+        1
+    } else {
+        pool::threads()
+    };
+    if threads < 2 || tasks < 2 {
         let mut state = init();
         for piece in out.chunks_mut(chunk).enumerate() {
             f(&mut state, piece);
         }
-    } else {
-        out.par_chunks_mut(chunk).enumerate().for_each_init(init, f);
+        return;
     }
+    let runs = (4 * threads).min(tasks);
+    let per_run = tasks.div_ceil(runs);
+    // each run's slice of `out`, taken once by whichever thread runs it
+    let slices: Vec<std::sync::Mutex<Option<&mut [f32]>>> = out
+        .chunks_mut(per_run * chunk)
+        .map(|s| std::sync::Mutex::new(Some(s)))
+        .collect();
+    pool::run(slices.len(), &|i| {
+        let taken = slices
+            .get(i)
+            .and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let Some(slice) = taken {
+            let mut state = init();
+            for (k, piece) in slice.chunks_mut(chunk).enumerate() {
+                f(&mut state, (i * per_run + k, piece));
+            }
+        }
+    });
 }
 
 fn pad<const N: usize>(v: [f32; N]) -> [f32; 4] {
@@ -1347,6 +1374,43 @@ pub fn error_bound_block8(x: &[f32], w: &[f32], nf4_scale: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A product shared over the kernel pool's threads gives the bits of the same product
+    /// run on one thread: inside a pool job the pool is busy, so the inner product runs
+    /// its pieces in order on the calling thread.
+    #[test]
+    fn products_on_the_pool_give_the_bits_of_one_thread() {
+        let (rows, cols) = (1024, 2048);
+        let w = crate::synthetic::matrix(crate::synthetic::MatrixKind::Gaussian, rows, cols, 5);
+        for format in ["nf4-g64", "int8", "int4-g64", "bf16"] {
+            let p = crate::quantize(&w, rows, cols, Format::parse(format).unwrap()).unwrap();
+            for batch in [1, 3, 32] {
+                assert!(batch * rows * cols >= PARALLEL_MIN_MACS);
+                let x = crate::synthetic::matrix(
+                    crate::synthetic::MatrixKind::Gaussian,
+                    batch,
+                    cols,
+                    6,
+                );
+                let shared = matmul(&x, batch, &p).unwrap();
+                let alone = std::sync::Mutex::new(Vec::new());
+                pool::run(2, &|i| {
+                    if i == 0 {
+                        *alone.lock().unwrap() = matmul(&x, batch, &p).unwrap();
+                    }
+                });
+                let alone = alone.into_inner().unwrap();
+                assert_eq!(shared.len(), alone.len());
+                assert!(
+                    shared
+                        .iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{format} batch {batch}"
+                );
+            }
+        }
+    }
 
     /// The rounding without `roundf` is `round`, then the clamp, on every value an
     /// activation can reach, halves and the neighbours of halves included.
