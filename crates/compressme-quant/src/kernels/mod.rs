@@ -934,17 +934,72 @@ pub fn matmul_into_using(
     // [rows, batch] first: each task owns whole output rows
     let mut yt = vec![0f32; rows * batch];
     rows_of(&mut yt);
-    // 16 rows at a time, so each write fills a cache line of `y`
-    for (i, cols) in yt.chunks(16 * batch).enumerate() {
-        let r0 = 16 * i;
-        for b in 0..batch {
-            let dst = y.get_mut(b * rows + r0..).unwrap_or(&mut []);
-            for (slot, col) in dst.iter_mut().zip(cols.chunks_exact(batch)) {
-                *slot = col.get(b).copied().unwrap_or(0.0);
+    transpose_into(&yt, rows, batch, y);
+    Ok(())
+}
+
+/// Outputs (`batch · rows`) from which [`transpose_into`] runs on the kernel pool's
+/// threads.
+const TRANSPOSE_PARALLEL_MIN: usize = 1 << 16;
+
+/// `yt` (`[rows, batch]`) into `y` (`[batch, rows]`), a tile of 16 x 16 at a time through
+/// a local buffer, so each read and each write is a contiguous run of up to 16 values;
+/// large outputs on the kernel pool's threads, a run of rows of `y` a piece.
+fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
+    const T: usize = 16;
+    if rows == 0 || batch == 0 {
+        return;
+    }
+    // rows of `y` a piece: whole tiles, four pieces a thread where the batch allows
+    let per = (batch.div_ceil(4 * pool::threads()).div_ceil(T) * T).max(T);
+    // rows p·per.. of y, a tile of T of them at a time
+    let piece = |p: usize, ys: &mut [f32]| {
+        let mut tile = [[0f32; T]; T];
+        for (t, src) in yt.chunks(T * batch).enumerate() {
+            let r0 = t * T;
+            for (s, yb) in ys.chunks_mut(T * rows).enumerate() {
+                let b0 = p * per + s * T;
+                let nb = yb.len() / rows;
+                // read: a run of each of up to T rows of `yt`
+                let mut nr = 0;
+                for (row, col) in tile.iter_mut().zip(src.chunks_exact(batch)) {
+                    for (o, &v) in row.iter_mut().zip(col.get(b0..b0 + nb).unwrap_or(&[])) {
+                        *o = v;
+                    }
+                    nr += 1;
+                }
+                // write: a run of each row of `y` (a column of `y` at a stride of a power
+                // of two would put its lines in one cache set)
+                for i in 0..nb {
+                    if let Some(out) = yb.get_mut(i * rows + r0..i * rows + r0 + nr) {
+                        for (o, row) in out.iter_mut().zip(&tile) {
+                            *o = row[i];
+                        }
+                    }
+                }
             }
         }
+    };
+    let total = y.len();
+    let pieces: Vec<&mut [f32]> = y.chunks_mut(per * rows).collect();
+    if total >= TRANSPOSE_PARALLEL_MIN && pieces.len() >= 2 {
+        let pieces: Vec<std::sync::Mutex<Option<&mut [f32]>>> = pieces
+            .into_iter()
+            .map(|p| std::sync::Mutex::new(Some(p)))
+            .collect();
+        pool::run(pieces.len(), &|p| {
+            let taken = pieces
+                .get(p)
+                .and_then(|m| m.lock().unwrap_or_else(|e| e.into_inner()).take());
+            if let Some(ys) = taken {
+                piece(p, ys);
+            }
+        });
+    } else {
+        for (p, ys) in pieces.into_iter().enumerate() {
+            piece(p, ys);
+        }
     }
-    Ok(())
 }
 
 /// Calls `f(first, rows, n)` for the batch four rows at a time; `rows` past `n` are empty.
@@ -1375,16 +1430,19 @@ pub fn error_bound_block8(x: &[f32], w: &[f32], nf4_scale: f32) -> f32 {
 mod tests {
     use super::*;
 
-    /// A product shared over the kernel pool's threads gives the bits of the same product
-    /// run on one thread: inside a pool job the pool is busy, so the inner product runs
-    /// its pieces in order on the calling thread.
+    /// A product shared over the kernel pool's threads (its weight rows, the rounding of
+    /// its activations, the transposition of its output) gives the bits of the same
+    /// product on one thread: inside a pool job the pool is busy, so the inner product
+    /// runs all of it in order on the calling thread.
     #[test]
     fn products_on_the_pool_give_the_bits_of_one_thread() {
         let (rows, cols) = (1024, 2048);
         let w = crate::synthetic::matrix(crate::synthetic::MatrixKind::Gaussian, rows, cols, 5);
         for format in ["nf4-g64", "int8", "int4-g64", "bf16"] {
             let p = crate::quantize(&w, rows, cols, Format::parse(format).unwrap()).unwrap();
-            for batch in [1, 3, 32] {
+            // 32: the panel of 8-bit activations rounded on the pool; 64: the output
+            // transposed on it too
+            for batch in [1, 3, 32, 64] {
                 assert!(batch * rows * cols >= PARALLEL_MIN_MACS);
                 let x = crate::synthetic::matrix(
                     crate::synthetic::MatrixKind::Gaussian,

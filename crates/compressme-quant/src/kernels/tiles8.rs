@@ -119,30 +119,20 @@ pub(super) struct Panel {
     sums: Vec<f32>,
 }
 
+/// Values of `x` (rows times columns) from which [`Panel::new`] rounds its panels on the
+/// kernel pool's threads: below it one thread, where sharing the work (a few
+/// microseconds) would be a large part of it.
+const PANEL_PARALLEL_MIN: usize = 1 << 15;
+
+/// One panel's share of a [`Panel`]'s buffers.
+type PanelParts<'a> = (&'a mut [u32], &'a mut [f32], &'a mut [i32], &'a mut [f32]);
+
 impl Panel {
     /// `x` (`[batch, cols]`, every value finite) for `lanes` lanes; `nibbles` puts each
-    /// block in nibble order.
+    /// block in nibble order. Panels of `lanes` rows are independent, so a large `x` is
+    /// rounded a panel at a time on the kernel pool's threads, with the same bits.
     pub(super) fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
-        if super::avx2::Token::detect().is_some() {
-            // SAFETY: the CPU was just seen to have AVX2
-            return unsafe { Self::new_avx2(x, batch, cols, nibbles, lanes) };
-        }
-        Self::build(x, batch, cols, nibbles, lanes)
-    }
-
-    /// [`Self::build`] compiled with AVX2, so its loops vectorize 8 wide (the same IEEE
-    /// operations, so the same bits; at batch 32 it took a tenth of the product's time
-    /// at the baseline's SSE2).
-    ///
-    /// # Safety
-    /// AVX2 present.
-    #[target_feature(enable = "avx2")]
-    unsafe fn new_avx2(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
-        Self::build(x, batch, cols, nibbles, lanes)
-    }
-
-    #[inline(always)]
-    fn build(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
+        let lanes = lanes.max(1);
         let kp = cols.div_ceil(BLOCK) * BLOCK;
         let (units, blocks) = (kp / 4, kp / BLOCK);
         let panels = batch.div_ceil(lanes);
@@ -150,48 +140,43 @@ impl Panel {
         let mut step = vec![0f32; panels * blocks * lanes];
         let mut bias = vec![0i32; panels * blocks * lanes];
         let mut sums = vec![0f32; batch * blocks];
-        for (b, row) in x.chunks_exact(cols.max(1)).take(batch).enumerate() {
-            let (k, l) = (b / lanes, b % lanes);
-            for (c, vals) in row.chunks(BLOCK).enumerate() {
-                let mut v = [0f32; BLOCK];
-                for (o, &x) in v.iter_mut().zip(vals) {
-                    *o = x;
+        let avx2 = super::avx2::Token::detect().is_some();
+        let shape = Shape {
+            x,
+            batch,
+            cols,
+            nibbles,
+            lanes,
+        };
+        let one = |k: usize, (q, step, bias, sums): PanelParts<'_>| {
+            if avx2 {
+                // SAFETY: the CPU was just seen to have AVX2
+                unsafe { fill_avx2(&shape, k, q, step, bias, sums) };
+            } else {
+                fill(&shape, k, q, step, bias, sums);
+            }
+        };
+        // (no columns: nothing to fill, and no chunks of zero length)
+        let parts = q
+            .chunks_mut((units * lanes).max(1))
+            .zip(step.chunks_mut((blocks * lanes).max(1)))
+            .zip(bias.chunks_mut((blocks * lanes).max(1)))
+            .zip(sums.chunks_mut((blocks * lanes).max(1)))
+            .map(|(((q, s), o), t)| (q, s, o, t));
+        if panels >= 2 && batch.saturating_mul(cols) >= PANEL_PARALLEL_MIN {
+            let parts: Vec<std::sync::Mutex<Option<PanelParts<'_>>>> =
+                parts.map(|p| std::sync::Mutex::new(Some(p))).collect();
+            super::pool::run(parts.len(), &|k| {
+                let taken = parts
+                    .get(k)
+                    .and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take());
+                if let Some(p) = taken {
+                    one(k, p);
                 }
-                let absmax = absmax(&v);
-                let mut natural = [0i8; BLOCK];
-                if absmax > 0.0 {
-                    let (pre, inv) = prescale(absmax, 127.0);
-                    for (o, &x) in natural.iter_mut().zip(&v) {
-                        *o = round8((x * pre) * inv);
-                    }
-                }
-                let bytes = if nibbles {
-                    let mut out = [0i8; BLOCK];
-                    for (&slot, &q) in NIBBLE_SLOTS.iter().zip(&natural) {
-                        out[slot % BLOCK] = q;
-                    }
-                    out
-                } else {
-                    natural
-                };
-                let at = (k * blocks + c) * lanes + l;
-                let qsum = bytes.iter().map(|&v| i32::from(v)).sum::<i32>();
-                if let (Some(s), Some(o), Some(t)) = (
-                    step.get_mut(at),
-                    bias.get_mut(at),
-                    sums.get_mut(b * blocks + c),
-                ) {
-                    *s = absmax / 127.0;
-                    *o = 128 * qsum;
-                    *t = qsum as f32 * *s;
-                }
-                for (u, quad) in bytes.chunks_exact(4).enumerate() {
-                    let v =
-                        u32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]].map(|v| v as u8));
-                    if let Some(o) = q.get_mut((k * units + c * QUADS + u) * lanes + l) {
-                        *o = v;
-                    }
-                }
+            });
+        } else {
+            for (k, p) in parts.enumerate() {
+                one(k, p);
             }
         }
         Self {
@@ -232,6 +217,97 @@ impl Panel {
             self.step.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
             self.bias.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
         )
+    }
+}
+
+/// What every panel of a [`Panel`] is made from.
+struct Shape<'a> {
+    x: &'a [f32],
+    batch: usize,
+    cols: usize,
+    nibbles: bool,
+    lanes: usize,
+}
+
+/// [`fill`] compiled with AVX2, so its loops vectorize 8 wide (the same IEEE operations,
+/// so the same bits; at batch 32 the panel took a tenth of the product's time at the
+/// baseline's SSE2).
+///
+/// # Safety
+/// AVX2 present.
+#[target_feature(enable = "avx2")]
+unsafe fn fill_avx2(
+    shape: &Shape<'_>,
+    k: usize,
+    q: &mut [u32],
+    step: &mut [f32],
+    bias: &mut [i32],
+    sums: &mut [f32],
+) {
+    fill(shape, k, q, step, bias, sums);
+}
+
+/// Panel `k` (rows `k · lanes..`) of `shape.x`: its units, steps and biases (laid out as
+/// in [`Panel`], from the panel's start) and its rows' block sums.
+#[inline(always)]
+fn fill(
+    shape: &Shape<'_>,
+    k: usize,
+    q: &mut [u32],
+    step: &mut [f32],
+    bias: &mut [i32],
+    sums: &mut [f32],
+) {
+    let (cols, lanes) = (shape.cols.max(1), shape.lanes);
+    let blocks = cols.div_ceil(BLOCK);
+    for l in 0..lanes {
+        let b = k * lanes + l;
+        if b >= shape.batch {
+            break;
+        }
+        let Some(row) = shape.x.get(b * cols..(b + 1) * cols) else {
+            break;
+        };
+        for (c, vals) in row.chunks(BLOCK).enumerate() {
+            let mut v = [0f32; BLOCK];
+            for (o, &x) in v.iter_mut().zip(vals) {
+                *o = x;
+            }
+            let absmax = absmax(&v);
+            let mut natural = [0i8; BLOCK];
+            if absmax > 0.0 {
+                let (pre, inv) = prescale(absmax, 127.0);
+                for (o, &x) in natural.iter_mut().zip(&v) {
+                    *o = round8((x * pre) * inv);
+                }
+            }
+            let bytes = if shape.nibbles {
+                let mut out = [0i8; BLOCK];
+                for (&slot, &q) in NIBBLE_SLOTS.iter().zip(&natural) {
+                    out[slot % BLOCK] = q;
+                }
+                out
+            } else {
+                natural
+            };
+            let at = c * lanes + l;
+            let qsum = bytes.iter().map(|&v| i32::from(v)).sum::<i32>();
+            if let (Some(s), Some(o), Some(t)) = (
+                step.get_mut(at),
+                bias.get_mut(at),
+                sums.get_mut(l * blocks + c),
+            ) {
+                *s = absmax / 127.0;
+                *o = 128 * qsum;
+                *t = qsum as f32 * *s;
+            }
+            for (u, quad) in bytes.chunks_exact(4).enumerate() {
+                let v = u32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]].map(|v| v as u8));
+                if let Some(o) = q.get_mut((c * QUADS + u) * lanes + l) {
+                    *o = v;
+                }
+            }
+        }
     }
 }
 
