@@ -37,15 +37,19 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256i, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32, _mm256_cvtepi32_ps,
+    __m256i, _CMP_GE_OQ, _CMP_LE_OQ, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32,
+    _mm256_castps_si256, _mm256_cmp_ps, _mm256_cvtepi32_ps, _mm256_cvttps_epi32,
     _mm256_dpbusd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
-    _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps,
-    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_sign_epi8, _mm256_storeu_ps, _mm256_sub_epi32,
-    _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32,
-    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_permutex2var_epi64,
-    _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi64, _mm512_setzero_ps,
-    _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_srli_epi16, _mm512_storeu_ps,
-    _mm512_storeu_si512, _mm512_sub_epi32,
+    _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_max_epi32, _mm256_max_ps, _mm256_min_epi32,
+    _mm256_min_ps, _mm256_mul_ps, _mm256_packs_epi16, _mm256_packs_epi32, _mm256_permute4x64_epi64,
+    _mm256_permutevar8x32_epi32, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps,
+    _mm256_setr_epi8, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_shuffle_epi8, _mm256_sign_epi8, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_sub_epi32,
+    _mm256_sub_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_cvtepi32_ps,
+    _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+    _mm512_permutex2var_epi64, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps,
+    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
+    _mm512_srli_epi16, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_sub_epi32,
 };
 
 use super::tiles::{Kind, ROWS};
@@ -153,7 +157,7 @@ impl Panel {
                 // SAFETY: the CPU was just seen to have AVX2
                 unsafe { fill_avx2(&shape, k, q, step, bias, sums) };
             } else {
-                fill(&shape, k, q, step, bias, sums);
+                fill::<false>(&shape, k, q, step, bias, sums);
             }
         };
         // (no columns: nothing to fill, and no chunks of zero length)
@@ -244,13 +248,15 @@ unsafe fn fill_avx2(
     bias: &mut [i32],
     sums: &mut [f32],
 ) {
-    fill(shape, k, q, step, bias, sums);
+    fill::<true>(shape, k, q, step, bias, sums);
 }
 
 /// Panel `k` (rows `k · lanes..`) of `shape.x`: its units, steps and biases (laid out as
-/// in [`Panel`], from the panel's start) and its rows' block sums.
+/// in [`Panel`], from the panel's start) and its rows' block sums. `AVX2` rounds each
+/// block with [`round_block_avx2`] (the same bits as [`round8`] a value); only
+/// [`fill_avx2`] passes it.
 #[inline(always)]
-fn fill(
+fn fill<const AVX2: bool>(
     shape: &Shape<'_>,
     k: usize,
     q: &mut [u32],
@@ -274,21 +280,17 @@ fn fill(
                 *o = x;
             }
             let absmax = absmax(&v);
-            let mut natural = [0i8; BLOCK];
-            if absmax > 0.0 {
+            let bytes = if absmax > 0.0 {
                 let (pre, inv) = prescale(absmax, 127.0);
-                for (o, &x) in natural.iter_mut().zip(&v) {
-                    *o = round8((x * pre) * inv);
+                if AVX2 {
+                    // SAFETY: only `fill_avx2`, compiled with AVX2 for a CPU that has it,
+                    // sets `AVX2`
+                    unsafe { round_block_avx2(&v, pre, inv, shape.nibbles) }
+                } else {
+                    round_block(&v, pre, inv, shape.nibbles)
                 }
-            }
-            let bytes = if shape.nibbles {
-                let mut out = [0i8; BLOCK];
-                for (&slot, &q) in NIBBLE_SLOTS.iter().zip(&natural) {
-                    out[slot % BLOCK] = q;
-                }
-                out
             } else {
-                natural
+                [0i8; BLOCK]
             };
             let at = c * lanes + l;
             let qsum = bytes.iter().map(|&v| i32::from(v)).sum::<i32>();
@@ -309,6 +311,71 @@ fn fill(
             }
         }
     }
+}
+
+/// A block rounded to 8 bits with `round8((x · pre) · inv)`, in nibble order when
+/// `nibbles` (slot `i < 16` value `2i`, slot `16 + i` value `2i + 1`).
+#[inline(always)]
+fn round_block(v: &[f32; BLOCK], pre: f32, inv: f32, nibbles: bool) -> [i8; BLOCK] {
+    let mut natural = [0i8; BLOCK];
+    for (o, &x) in natural.iter_mut().zip(v) {
+        *o = round8((x * pre) * inv);
+    }
+    if !nibbles {
+        return natural;
+    }
+    let mut out = [0i8; BLOCK];
+    for (&slot, &q) in NIBBLE_SLOTS.iter().zip(&natural) {
+        out[slot % BLOCK] = q;
+    }
+    out
+}
+
+/// [`round_block`] eight values a vector: the same IEEE products, `round8`'s clamp,
+/// truncation and comparisons of the fraction lane by lane, so the same bytes.
+///
+/// # Safety
+/// AVX2 present.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn round_block_avx2(v: &[f32; BLOCK], pre: f32, inv: f32, nibbles: bool) -> [i8; BLOCK] {
+    let (vpre, vinv) = (_mm256_set1_ps(pre), _mm256_set1_ps(inv));
+    let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(128.0));
+    let (half, neg_half) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5));
+    let (min, max) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    let mut r = [_mm256_setzero_si256(); 4];
+    for (j, out) in r.iter_mut().enumerate() {
+        // SAFETY: 8 of the block's 32 values
+        let x = unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * j)) };
+        let q = _mm256_mul_ps(_mm256_mul_ps(x, vpre), vinv);
+        // `clamp(-128, 128)` (no NaN reaches here: `x` is finite, `inv` at most 127 / |x|)
+        let q = _mm256_max_ps(_mm256_min_ps(q, hi), lo);
+        let t = _mm256_cvttps_epi32(q);
+        let frac = _mm256_sub_ps(q, _mm256_cvtepi32_ps(t));
+        // the comparisons' masks are -1 where true
+        let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
+        let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, neg_half));
+        let t = _mm256_add_epi32(_mm256_sub_epi32(t, up), down);
+        *out = _mm256_max_epi32(_mm256_min_epi32(t, max), min);
+    }
+    // i32 -> i8 (every value in -127..=127): the packs interleave the 128-bit lanes, the
+    // permutation restores the order
+    let w01 = _mm256_packs_epi32(r[0], r[1]);
+    let w23 = _mm256_packs_epi32(r[2], r[3]);
+    let b = _mm256_packs_epi16(w01, w23);
+    let mut b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if nibbles {
+        // each lane's even bytes, then its odd ones; then the evens of both lanes first
+        let split = _mm256_setr_epi8(
+            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3,
+            5, 7, 9, 11, 13, 15,
+        );
+        b = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(b, split));
+    }
+    let mut out = [0i8; BLOCK];
+    // SAFETY: 32 bytes
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), b) };
+    out
 }
 
 /// A thread's reused buffers: 16 weight rows' codes as bytes (biased by 128 for the VNNI
@@ -818,6 +885,52 @@ mod tests {
     use super::super::nibble_slot;
     use super::super::tiles::tests::{kinds, xorshift};
     use super::*;
+
+    /// The AVX2 rounding of a block gives the scalar rounding's bytes, in both orders, on
+    /// random blocks and on values whose scaled form lands on a half, next to one, on
+    /// the clamp, on signed zeros and on subnormals (with `prescale`'s pre-scaling).
+    #[test]
+    fn block_rounding_in_vectors_gives_the_scalar_bytes() {
+        if avx2::Token::detect().is_none() {
+            eprintln!("skipped: block_rounding_in_vectors_gives_the_scalar_bytes (no AVX2)");
+            return;
+        }
+        let mut next = xorshift(0x2545_f491);
+        let mut blocks: Vec<[f32; BLOCK]> = Vec::new();
+        for _ in 0..3000 {
+            let scale = [1e-3f32, 1.0, 37.5, 1e-39, 3e-42, 6e4][(next() % 6) as usize];
+            blocks.push(std::array::from_fn(|_| {
+                (next() % 20_001) as f32 / 10_000.0 * scale - scale
+            }));
+        }
+        // absmax 127 so that q = x: halves, their neighbours, the extremes, signed zeros
+        for k in -127i32..=127 {
+            let h = k as f32 + 0.5;
+            let mut b = [0f32; BLOCK];
+            b[0] = 127.0;
+            b[1] = h.min(127.0);
+            b[2] = -h.min(127.0);
+            b[3] = f32::from_bits(h.to_bits() + 1).min(127.0);
+            b[4] = f32::from_bits(h.to_bits().wrapping_sub(1));
+            b[5] = -0.0;
+            b[6] = -127.0;
+            b[7] = k as f32;
+            blocks.push(b);
+        }
+        for v in &blocks {
+            let absmax = absmax(v);
+            if absmax == 0.0 {
+                continue;
+            }
+            let (pre, inv) = prescale(absmax, 127.0);
+            for nibbles in [false, true] {
+                let want = round_block(v, pre, inv, nibbles);
+                // SAFETY: AVX2 was detected above
+                let got = unsafe { round_block_avx2(v, pre, inv, nibbles) };
+                assert_eq!(got, want, "{v:?} nibbles {nibbles}");
+            }
+        }
+    }
 
     /// Every kind of tile the CPU runs gives the bits of [`reference`], on rows with
     /// several groups and the extreme codes and activations.
