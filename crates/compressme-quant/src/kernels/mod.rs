@@ -1159,11 +1159,13 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
 }
 
 /// Multiply-adds below which a call stays on the calling thread: sharing a product costs
-/// a few microseconds even with the pool's workers awake (tens when they sleep), as much
-/// as a small layer's whole product. With the pool, SmolLM2's NF4-g64 generation on two
-/// threads ran 48.6, 50.2 and 52.2 tokens a second with this threshold at 2M, 128K and
-/// 16K multiply-adds (3 rounds each): within this machine's noise, so it stays.
-const PARALLEL_MIN_MACS: usize = 1 << 21;
+/// a few microseconds with the pool's workers awake, as much as the smallest layers'
+/// whole product. SmolLM2's NF4-g64 generation on two threads (`generation_speed`, 3-5
+/// rounds): 51.5-61.6 tokens a second with this threshold at 2M multiply-adds (where it
+/// stood with rayon, whose sleeping workers cost tens of microseconds to wake), 67.5-82.1
+/// at 32K, 64K or 128K (within noise of each other); 128K keeps its 576 x 192 products
+/// (110K) on one thread, and a many-core machine from splitting tiny products many ways.
+const PARALLEL_MIN_MACS: usize = 1 << 17;
 
 /// Runs `f(state, (index, piece))` over `chunk`-sized pieces of `out`: on the kernel
 /// pool's threads ([`pool`]) when there are several and `macs` is large enough to pay for
