@@ -526,46 +526,75 @@ fn nibble_slot(j: usize) -> usize {
     block * NIBBLE_BLOCK + (i % 2) * (NIBBLE_BLOCK / 2) + i / 2
 }
 
+/// Values of `x` from which [`FixedX::new`] and the tiles' panels of it are made on the
+/// kernel pool's threads, a run of rows a piece.
+const ROUND_PARALLEL_MIN: usize = 1 << 15;
+
+/// One finite row of `x` rounded to 14-bit fixed point into `out` (in nibble order when
+/// `nibbles`: each block of 32, its even positions, then its odd ones); its step.
+fn fixed_row(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
+    let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if absmax > 0.0 {
+        let (pre, inv) = prescale(absmax, X_MAX);
+        let fixed = |v: f32| round_fixed((v * pre) * inv);
+        if nibbles {
+            let blocks = row.chunks_exact(NIBBLE_BLOCK);
+            let tail = blocks.remainder();
+            for (block, o) in blocks.zip(out.chunks_exact_mut(NIBBLE_BLOCK)) {
+                let (even, odd) = o.split_at_mut(NIBBLE_BLOCK / 2);
+                for ((e, d), v) in even.iter_mut().zip(odd).zip(block.chunks_exact(2)) {
+                    (*e, *d) = (fixed(v[0]), fixed(v[1]));
+                }
+            }
+            let done = row.len() - tail.len();
+            for (j, &v) in tail.iter().enumerate() {
+                if let Some(o) = out.get_mut(nibble_slot(done + j)) {
+                    *o = fixed(v);
+                }
+            }
+        } else {
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o = fixed(v);
+            }
+        }
+    }
+    absmax / X_MAX
+}
+
 impl FixedX {
-    /// `None` when a value is not finite.
+    /// `None` when a value is not finite. Rows are independent, so a large `x` is rounded
+    /// a run of rows at a time on the kernel pool's threads, with the same bits.
     fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool) -> Option<Self> {
         let pad = if nibbles { NIBBLE_BLOCK } else { STEP };
         let kp = cols.div_ceil(pad) * pad;
         let mut q = vec![0i16; batch * kp];
-        let mut d = Vec::with_capacity(batch);
-        for (row, out) in x.chunks_exact(cols).zip(q.chunks_exact_mut(kp)) {
-            if !row.iter().all(|v| v.is_finite()) {
-                return None;
-            }
-            let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            if absmax > 0.0 {
-                let (pre, inv) = prescale(absmax, X_MAX);
-                let fixed = |v: f32| round_fixed((v * pre) * inv);
-                if nibbles {
-                    // each block of 32: the even positions, then the odd ones
-                    let blocks = row.chunks_exact(NIBBLE_BLOCK);
-                    let tail = blocks.remainder();
-                    for (block, o) in blocks.zip(out.chunks_exact_mut(NIBBLE_BLOCK)) {
-                        let (even, odd) = o.split_at_mut(NIBBLE_BLOCK / 2);
-                        for ((e, d), v) in even.iter_mut().zip(odd).zip(block.chunks_exact(2)) {
-                            (*e, *d) = (fixed(v[0]), fixed(v[1]));
-                        }
-                    }
-                    let done = row.len() - tail.len();
-                    for (j, &v) in tail.iter().enumerate() {
-                        if let Some(o) = out.get_mut(nibble_slot(done + j)) {
-                            *o = fixed(v);
-                        }
-                    }
-                } else {
-                    for (o, &v) in out.iter_mut().zip(row) {
-                        *o = fixed(v);
-                    }
-                }
-            }
-            d.push(absmax / X_MAX);
+        let mut d = vec![0f32; batch];
+        if kp == 0 {
+            return Some(Self { kp, q, d });
         }
-        Some(Self { kp, q, d })
+        let finite = std::sync::atomic::AtomicBool::new(true);
+        // rows `first..` of x into `q` and `d`
+        let rows = |first: usize, (q, d): (&mut [i16], &mut [f32])| {
+            for (i, (out, scale)) in q.chunks_exact_mut(kp).zip(d).enumerate() {
+                let b = first + i;
+                let Some(row) = x.get(b * cols..(b + 1) * cols) else {
+                    return;
+                };
+                if !row.iter().all(|v| v.is_finite()) {
+                    finite.store(false, std::sync::atomic::Ordering::Relaxed);
+                    return;
+                }
+                *scale = fixed_row(row, out, nibbles);
+            }
+        };
+        let per = batch.div_ceil(4 * pool::threads()).max(1);
+        if batch >= 2 && batch.saturating_mul(cols) >= ROUND_PARALLEL_MIN {
+            let parts = q.chunks_mut(per * kp).zip(d.chunks_mut(per)).collect();
+            pool::each(parts, &|i, part| rows(i * per, part));
+        } else {
+            rows(0, (&mut q, &mut d));
+        }
+        finite.into_inner().then_some(Self { kp, q, d })
     }
 
     fn row(&self, b: usize) -> &[i16] {
@@ -983,18 +1012,7 @@ fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
     let total = y.len();
     let pieces: Vec<&mut [f32]> = y.chunks_mut(per * rows).collect();
     if total >= TRANSPOSE_PARALLEL_MIN && pieces.len() >= 2 {
-        let pieces: Vec<std::sync::Mutex<Option<&mut [f32]>>> = pieces
-            .into_iter()
-            .map(|p| std::sync::Mutex::new(Some(p)))
-            .collect();
-        pool::run(pieces.len(), &|p| {
-            let taken = pieces
-                .get(p)
-                .and_then(|m| m.lock().unwrap_or_else(|e| e.into_inner()).take());
-            if let Some(ys) = taken {
-                piece(p, ys);
-            }
-        });
+        pool::each(pieces, &piece);
     } else {
         for (p, ys) in pieces.into_iter().enumerate() {
             piece(p, ys);
@@ -1196,19 +1214,10 @@ fn run_tasks<S>(
     let runs = (4 * threads).min(tasks);
     let per_run = tasks.div_ceil(runs);
     // each run's slice of `out`, taken once by whichever thread runs it
-    let slices: Vec<std::sync::Mutex<Option<&mut [f32]>>> = out
-        .chunks_mut(per_run * chunk)
-        .map(|s| std::sync::Mutex::new(Some(s)))
-        .collect();
-    pool::run(slices.len(), &|i| {
-        let taken = slices
-            .get(i)
-            .and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take());
-        if let Some(slice) = taken {
-            let mut state = init();
-            for (k, piece) in slice.chunks_mut(chunk).enumerate() {
-                f(&mut state, (i * per_run + k, piece));
-            }
+    pool::each(out.chunks_mut(per_run * chunk).collect(), &|i, slice| {
+        let mut state = init();
+        for (k, piece) in slice.chunks_mut(chunk).enumerate() {
+            f(&mut state, (i * per_run + k, piece));
         }
     });
 }

@@ -209,6 +209,21 @@ pub(super) fn run(pieces: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Runs `f(i, item)` once for each of `items` (the `i`th item for piece `i`), shared as
+/// [`run`] shares pieces: for work split into owned parts, such as disjoint `&mut` slices
+/// of one output.
+pub(super) fn each<T: Send>(items: Vec<T>, f: &(dyn Fn(usize, T) + Sync)) {
+    let items: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
+    run(items.len(), &|i| {
+        let taken = items
+            .get(i)
+            .and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let Some(item) = taken {
+            f(i, item);
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};

@@ -119,17 +119,34 @@ struct XPanel {
 }
 
 impl XPanel {
+    /// Blocks are independent, so a large `x` is laid out a block at a time on the kernel
+    /// pool's threads.
     fn new(fx: &FixedX, batch: usize, lanes: usize) -> Self {
         let pairs = fx.kp / 2;
         let blocks = batch.div_ceil(lanes);
         let mut data = vec![0u32; blocks * pairs * lanes];
-        for b in 0..batch {
-            let (k, l) = (b / lanes, b % lanes);
-            let block = &mut data[k * pairs * lanes..(k + 1) * pairs * lanes];
-            for (p, v) in fx.row(b).chunks_exact(2).enumerate().take(pairs) {
-                if let Some(o) = block.get_mut(p * lanes + l) {
-                    *o = u32::from(v[0] as u16) | (u32::from(v[1] as u16) << 16);
+        if pairs * lanes == 0 {
+            return Self { lanes, pairs, data };
+        }
+        let fill = |k: usize, block: &mut [u32]| {
+            for l in 0..lanes {
+                let b = k * lanes + l;
+                if b >= batch {
+                    break;
                 }
+                for (p, v) in fx.row(b).chunks_exact(2).enumerate().take(pairs) {
+                    if let Some(o) = block.get_mut(p * lanes + l) {
+                        *o = u32::from(v[0] as u16) | (u32::from(v[1] as u16) << 16);
+                    }
+                }
+            }
+        };
+        let parts: Vec<&mut [u32]> = data.chunks_mut(pairs * lanes).collect();
+        if blocks >= 2 && batch * fx.kp >= super::ROUND_PARALLEL_MIN {
+            super::pool::each(parts, &fill);
+        } else {
+            for (k, block) in parts.into_iter().enumerate() {
+                fill(k, block);
             }
         }
         Self { lanes, pairs, data }

@@ -168,16 +168,7 @@ impl Panel {
             .zip(sums.chunks_mut((blocks * lanes).max(1)))
             .map(|(((q, s), o), t)| (q, s, o, t));
         if panels >= 2 && batch.saturating_mul(cols) >= PANEL_PARALLEL_MIN {
-            let parts: Vec<std::sync::Mutex<Option<PanelParts<'_>>>> =
-                parts.map(|p| std::sync::Mutex::new(Some(p))).collect();
-            super::pool::run(parts.len(), &|k| {
-                let taken = parts
-                    .get(k)
-                    .and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take());
-                if let Some(p) = taken {
-                    one(k, p);
-                }
-            });
+            super::pool::each(parts.collect(), &one);
         } else {
             for (k, p) in parts.enumerate() {
                 one(k, p);
