@@ -526,9 +526,10 @@ fn nibble_slot(j: usize) -> usize {
     block * NIBBLE_BLOCK + (i % 2) * (NIBBLE_BLOCK / 2) + i / 2
 }
 
-/// Values of `x` from which [`FixedX::new`] and the tiles' panels of it are made on the
-/// kernel pool's threads, a run of rows a piece.
-const ROUND_PARALLEL_MIN: usize = 1 << 15;
+/// Values (of `x` rounded for a product, or of its output transposed) from which that
+/// work is shared on the kernel pool's threads: below it one thread, where sharing (a
+/// few microseconds) would be a large part of it.
+const SHARE_MIN_VALUES: usize = 1 << 15;
 
 /// One finite row of `x` rounded to 14-bit fixed point into `out` (in nibble order when
 /// `nibbles`: each block of 32, its even positions, then its odd ones); its step.
@@ -588,12 +589,9 @@ impl FixedX {
             }
         };
         let per = batch.div_ceil(4 * pool::threads()).max(1);
-        if batch >= 2 && batch.saturating_mul(cols) >= ROUND_PARALLEL_MIN {
-            let parts = q.chunks_mut(per * kp).zip(d.chunks_mut(per)).collect();
-            pool::each(parts, &|i, part| rows(i * per, part));
-        } else {
-            rows(0, (&mut q, &mut d));
-        }
+        let parts = q.chunks_mut(per * kp).zip(d.chunks_mut(per)).collect();
+        let share = batch.saturating_mul(cols) >= SHARE_MIN_VALUES;
+        pool::each(share, parts, &|i, part| rows(i * per, part));
         finite.into_inner().then_some(Self { kp, q, d })
     }
 
@@ -967,10 +965,6 @@ pub fn matmul_into_using(
     Ok(())
 }
 
-/// Outputs (`batch · rows`) from which [`transpose_into`] runs on the kernel pool's
-/// threads.
-const TRANSPOSE_PARALLEL_MIN: usize = 1 << 16;
-
 /// `yt` (`[rows, batch]`) into `y` (`[batch, rows]`), a tile of 16 x 16 at a time through
 /// a local buffer, so each read and each write is a contiguous run of up to 16 values;
 /// large outputs on the kernel pool's threads, a run of rows of `y` a piece.
@@ -1009,15 +1003,8 @@ fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
             }
         }
     };
-    let total = y.len();
-    let pieces: Vec<&mut [f32]> = y.chunks_mut(per * rows).collect();
-    if total >= TRANSPOSE_PARALLEL_MIN && pieces.len() >= 2 {
-        pool::each(pieces, &piece);
-    } else {
-        for (p, ys) in pieces.into_iter().enumerate() {
-            piece(p, ys);
-        }
-    }
+    let share = y.len() >= SHARE_MIN_VALUES;
+    pool::each(share, y.chunks_mut(per * rows).collect(), &piece);
 }
 
 /// Calls `f(first, rows, n)` for the batch four rows at a time; `rows` past `n` are empty.
@@ -1214,12 +1201,16 @@ fn run_tasks<S>(
     let runs = (4 * threads).min(tasks);
     let per_run = tasks.div_ceil(runs);
     // each run's slice of `out`, taken once by whichever thread runs it
-    pool::each(out.chunks_mut(per_run * chunk).collect(), &|i, slice| {
-        let mut state = init();
-        for (k, piece) in slice.chunks_mut(chunk).enumerate() {
-            f(&mut state, (i * per_run + k, piece));
-        }
-    });
+    pool::each(
+        true,
+        out.chunks_mut(per_run * chunk).collect(),
+        &|i, slice| {
+            let mut state = init();
+            for (k, piece) in slice.chunks_mut(chunk).enumerate() {
+                f(&mut state, (i * per_run + k, piece));
+            }
+        },
+    );
 }
 
 fn pad<const N: usize>(v: [f32; N]) -> [f32; 4] {
@@ -1451,8 +1442,8 @@ mod tests {
         let w = crate::synthetic::matrix(crate::synthetic::MatrixKind::Gaussian, rows, cols, 5);
         for format in ["nf4-g64", "int8", "int4-g64", "bf16"] {
             let p = crate::quantize(&w, rows, cols, Format::parse(format).unwrap()).unwrap();
-            // 32: the panel of 8-bit activations rounded on the pool; 64: the output
-            // transposed on it too
+            // 32 and 64: the activations rounded and the output transposed on the pool
+            // too (32K values and more)
             for batch in [1, 3, 32, 64] {
                 assert!(batch * rows * cols >= PARALLEL_MIN_MACS);
                 let x = crate::synthetic::matrix(

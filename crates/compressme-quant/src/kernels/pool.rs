@@ -40,6 +40,7 @@ struct Shared {
     job: Mutex<Option<Job>>,
     /// The next piece to take.
     next: AtomicUsize,
+    /// The current job's pieces.
     pieces: AtomicUsize,
     /// Workers still inside the current job.
     busy: AtomicUsize,
@@ -122,9 +123,8 @@ fn work(shared: &'static Shared) {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(64) && start.elapsed() > SPIN {
-                let guard = shared.sleep.lock().unwrap_or_else(|p| p.into_inner());
+                let mut guard = shared.sleep.lock().unwrap_or_else(|p| p.into_inner());
                 shared.sleepers.fetch_add(1, Ordering::AcqRel);
-                let mut guard = guard;
                 while shared.generation.load(Ordering::Acquire) == seen {
                     guard = shared.wake.wait(guard).unwrap_or_else(|p| p.into_inner());
                 }
@@ -209,10 +209,16 @@ pub(super) fn run(pieces: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
-/// Runs `f(i, item)` once for each of `items` (the `i`th item for piece `i`), shared as
-/// [`run`] shares pieces: for work split into owned parts, such as disjoint `&mut` slices
-/// of one output.
-pub(super) fn each<T: Send>(items: Vec<T>, f: &(dyn Fn(usize, T) + Sync)) {
+/// Runs `f(i, item)` once for each of `items` (the `i`th item for piece `i`): shared as
+/// [`run`] shares pieces when `share`, otherwise in order on this thread. For work split
+/// into owned parts, such as disjoint `&mut` slices of one output.
+pub(super) fn each<T: Send>(share: bool, items: Vec<T>, f: &(dyn Fn(usize, T) + Sync)) {
+    if !share {
+        for (i, item) in items.into_iter().enumerate() {
+            f(i, item);
+        }
+        return;
+    }
     let items: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
     run(items.len(), &|i| {
         let taken = items

@@ -141,14 +141,8 @@ impl XPanel {
                 }
             }
         };
-        let parts: Vec<&mut [u32]> = data.chunks_mut(pairs * lanes).collect();
-        if blocks >= 2 && batch * fx.kp >= super::ROUND_PARALLEL_MIN {
-            super::pool::each(parts, &fill);
-        } else {
-            for (k, block) in parts.into_iter().enumerate() {
-                fill(k, block);
-            }
-        }
+        let share = batch * fx.kp >= super::SHARE_MIN_VALUES;
+        super::pool::each(share, data.chunks_mut(pairs * lanes).collect(), &fill);
         Self { lanes, pairs, data }
     }
 

@@ -123,11 +123,6 @@ pub(super) struct Panel {
     sums: Vec<f32>,
 }
 
-/// Values of `x` (rows times columns) from which [`Panel::new`] rounds its panels on the
-/// kernel pool's threads: below it one thread, where sharing the work (a few
-/// microseconds) would be a large part of it.
-const PANEL_PARALLEL_MIN: usize = 1 << 15;
-
 /// One panel's share of a [`Panel`]'s buffers.
 type PanelParts<'a> = (&'a mut [u32], &'a mut [f32], &'a mut [i32], &'a mut [f32]);
 
@@ -152,12 +147,12 @@ impl Panel {
             nibbles,
             lanes,
         };
-        let one = |k: usize, (q, step, bias, sums): PanelParts<'_>| {
+        let one = |k: usize, parts: PanelParts<'_>| {
             if avx2 {
                 // SAFETY: the CPU was just seen to have AVX2
-                unsafe { fill_avx2(&shape, k, q, step, bias, sums) };
+                unsafe { fill_avx2(&shape, k, parts) };
             } else {
-                fill::<false>(&shape, k, q, step, bias, sums);
+                fill::<false>(&shape, k, parts);
             }
         };
         // (no columns: nothing to fill, and no chunks of zero length)
@@ -166,14 +161,10 @@ impl Panel {
             .zip(step.chunks_mut((blocks * lanes).max(1)))
             .zip(bias.chunks_mut((blocks * lanes).max(1)))
             .zip(sums.chunks_mut((blocks * lanes).max(1)))
-            .map(|(((q, s), o), t)| (q, s, o, t));
-        if panels >= 2 && batch.saturating_mul(cols) >= PANEL_PARALLEL_MIN {
-            super::pool::each(parts.collect(), &one);
-        } else {
-            for (k, p) in parts.enumerate() {
-                one(k, p);
-            }
-        }
+            .map(|(((q, s), o), t)| (q, s, o, t))
+            .collect();
+        let share = batch.saturating_mul(cols) >= super::SHARE_MIN_VALUES;
+        super::pool::each(share, parts, &one);
         Self {
             lanes,
             kp,
@@ -231,15 +222,8 @@ struct Shape<'a> {
 /// # Safety
 /// AVX2 present.
 #[target_feature(enable = "avx2")]
-unsafe fn fill_avx2(
-    shape: &Shape<'_>,
-    k: usize,
-    q: &mut [u32],
-    step: &mut [f32],
-    bias: &mut [i32],
-    sums: &mut [f32],
-) {
-    fill::<true>(shape, k, q, step, bias, sums);
+unsafe fn fill_avx2(shape: &Shape<'_>, k: usize, parts: PanelParts<'_>) {
+    fill::<true>(shape, k, parts);
 }
 
 /// Panel `k` (rows `k · lanes..`) of `shape.x`: its units, steps and biases (laid out as
@@ -247,14 +231,7 @@ unsafe fn fill_avx2(
 /// block with [`round_block_avx2`] (the same bits as [`round8`] a value); only
 /// [`fill_avx2`] passes it.
 #[inline(always)]
-fn fill<const AVX2: bool>(
-    shape: &Shape<'_>,
-    k: usize,
-    q: &mut [u32],
-    step: &mut [f32],
-    bias: &mut [i32],
-    sums: &mut [f32],
-) {
+fn fill<const AVX2: bool>(shape: &Shape<'_>, k: usize, (q, step, bias, sums): PanelParts<'_>) {
     let (cols, lanes) = (shape.cols.max(1), shape.lanes);
     let blocks = cols.div_ceil(BLOCK);
     for l in 0..lanes {
