@@ -29,22 +29,22 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
-    _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cmpgt_epi32, _mm256_cvtepi32_ps,
-    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_maddubs_epi16,
-    _mm256_maskload_ps, _mm256_mul_ps, _mm256_permute2f128_ps, _mm256_permute2x128_si256,
-    _mm256_set1_epi8, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32,
-    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_shuffle_epi8, _mm256_shuffle_ps,
-    _mm256_sign_epi8, _mm256_srli_epi16, _mm256_storeu_ps, _mm256_sub_epi32, _mm256_unpackhi_epi32,
-    _mm256_unpackhi_epi64, _mm256_unpackhi_ps, _mm256_unpacklo_epi32, _mm256_unpacklo_epi64,
-    _mm256_unpacklo_ps, _mm512_add_epi32, _mm512_and_si512, _mm512_broadcast_i32x4,
-    _mm512_castpd_ps, _mm512_castps_pd, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps,
-    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8,
-    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
-    _mm512_shuffle_epi8, _mm512_shuffle_f32x4, _mm512_shuffle_i32x4, _mm512_srli_epi16,
-    _mm512_storeu_ps, _mm512_sub_epi32, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64,
-    _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
-    _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+    __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi16,
+    _mm256_add_epi32, _mm256_and_si256, _mm256_broadcastsi128_si256, _mm256_cmpgt_epi32,
+    _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16,
+    _mm256_maddubs_epi16, _mm256_maskload_ps, _mm256_mul_ps, _mm256_permute2f128_ps,
+    _mm256_permute2x128_si256, _mm256_set1_epi8, _mm256_set1_epi16, _mm256_set1_epi32,
+    _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_shuffle_epi8, _mm256_shuffle_ps, _mm256_sign_epi8, _mm256_srli_epi16, _mm256_storeu_ps,
+    _mm256_sub_epi32, _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpackhi_ps,
+    _mm256_unpacklo_epi32, _mm256_unpacklo_epi64, _mm256_unpacklo_ps, _mm512_add_epi32,
+    _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd,
+    _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+    _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_shuffle_f32x4,
+    _mm512_shuffle_i32x4, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
 };
 
 use super::tiles::{Kind, ROWS};
@@ -178,26 +178,11 @@ pub(super) fn run(
     let panel = Panel::new(x, batch, cols, true, 1);
     let blocks = panel.blocks();
     let gblocks = group_blocks(view, blocks);
-    let per = match kind {
-        Kind::Avx512(_) => 4,
-        Kind::Avx2(_) | Kind::AvxVnni(_) => 2,
-    };
-    let chunked: Vec<ChunkedX> = (0..batch).map(|b| ChunkedX::new(&panel, b, per)).collect();
-    let biased = !matches!(kind, Kind::Avx2(_));
-    let table = if biased {
-        lut.map(|v| v ^ i8::MIN)
-    } else {
-        *lut
-    };
+    let shape = Shape::new(kind, lut, blocks, gblocks, view.row_bytes);
+    let chunked: Vec<ChunkedX> = (0..batch)
+        .map(|b| ChunkedX::new(&panel, b, shape.per))
+        .collect();
     let minimums = Minimums::new(&panel, batch, gblocks, mins);
-    let shape = Shape {
-        blocks,
-        gblocks,
-        per,
-        table,
-        lut: *lut,
-        ahead: ROWS * view.row_bytes,
-    };
     super::run_tasks(
         yt,
         batch * ROWS,
@@ -265,6 +250,34 @@ struct Shape {
     /// 4096 x 4096 NF4-g64, one thread, this took 0.64-0.68 ms against 0.77-1.4 ms for a
     /// prefetch 512 or 2,048 bytes ahead in the same row.
     ahead: usize,
+    /// Whether the table is the identity (INT4's): the AVX2 tier then reads the codes as
+    /// they are, as unsigned bytes ([`pair_linear_avx2`]).
+    linear: bool,
+}
+
+impl Shape {
+    /// `kind`'s view of a product over `blocks` blocks of `x`, `gblocks` a group, rows of
+    /// `row_bytes` codes read through `lut`.
+    fn new(kind: Kind, lut: &[i8; 16], blocks: usize, gblocks: usize, row_bytes: usize) -> Self {
+        let (per, biased) = match kind {
+            Kind::Avx512(_) => (4, true),
+            Kind::AvxVnni(_) => (2, true),
+            Kind::Avx2(_) => (2, false),
+        };
+        Self {
+            blocks,
+            gblocks,
+            per,
+            table: if biased {
+                lut.map(|v| v ^ i8::MIN)
+            } else {
+                *lut
+            },
+            lut: *lut,
+            ahead: ROWS * row_bytes,
+            linear: *lut == super::INT4_I8,
+        }
+    }
 }
 
 fn widen<const N: usize>(v: [[f32; ROWS]; N]) -> [[f32; ROWS]; XR] {
@@ -332,6 +345,9 @@ fn dots<const N: usize>(
                     match kind {
                         Kind::AvxVnni(_) => {
                             tile_avxvnni(shape, codes, &xs, scales, half, &mut out);
+                        }
+                        _ if shape.linear => {
+                            tile_avx2_linear(shape, codes, &xs, scales, half, &mut out);
                         }
                         _ => tile_avx2(shape, codes, &xs, scales, half, &mut out),
                     }
@@ -678,10 +694,12 @@ unsafe fn transpose_add_8(p: &[__m256i; 8]) -> [__m256i; 2] {
 }
 
 /// A 256-bit kernel over weight rows `8 · half..8 · half + 8`: `$name`, with `$features`,
-/// summing a vector of codes `w` against `x` with `$step(sum, w, x)` and taking `$unbias`
-/// (the biased codes' `128 · Σ q`, or nothing) off each block's sum.
+/// turning a chunk of codes into its low- and high-nibble weights with
+/// `$nibbles(codes, table, 0x0f)`, summing them against `x` with `$pair(lo, hi, x_lo, x_hi,
+/// |x_lo|, |x_hi|)` (four products a 32-bit lane) and taking `$unbias` (the biased codes'
+/// `128 · Σ q`, or nothing) off each block's sum.
 macro_rules! tile_256 {
-    ($name:ident, $features:literal, $step:expr, $unbias:expr) => {
+    ($name:ident, $features:literal, $nibbles:expr, $pair:expr, $unbias:expr) => {
         /// # Safety
         /// The features present; `xs` holds `blocks.div_ceil(2)` chunks of 64 bytes a row
         /// and `blocks` steps and biases; every row's scales are in `scales`;
@@ -739,11 +757,7 @@ macro_rules! tile_256 {
                         // SAFETY: `chunk_ptr` gives 32 readable bytes
                         unsafe { _mm256_loadu_si256(ptr.cast()) }
                     };
-                    let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
-                    let hi = _mm256_shuffle_epi8(
-                        table,
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
-                    );
+                    let (lo, hi) = $nibbles(v, table, low);
                     for k in 0..N {
                         // SAFETY: chunk h's 64 bytes are in each row of `xs` (and of its
                         // `abs`)
@@ -754,8 +768,7 @@ macro_rules! tile_256 {
                             let xhi = _mm256_loadu_si256(x.add(32).cast());
                             let alo = _mm256_loadu_si256(a.cast());
                             let ahi = _mm256_loadu_si256(a.add(32).cast());
-                            let s = $step(_mm256_setzero_si256(), lo, xlo, alo);
-                            p[k][r] = $step(s, hi, xhi, ahi);
+                            p[k][r] = $pair(lo, hi, xlo, xhi, alo, ahi);
                         }
                     }
                 }
@@ -795,36 +808,129 @@ macro_rules! tile_256 {
     };
 }
 
-/// `s` plus, in each 32-bit lane, the four products of signed codes `w` and signed
-/// activations `x`, given `|x|` as `a` (AVX2): `|x|` as unsigned bytes times `w` with
-/// `x`'s sign, exact pairs in `i16` (`|w| <= 127` on this tier's unbiased tables, `|x|
-/// <= 127`), then quads. One instruction fewer a step than [`super::tiles8::quads_avx2`], which takes
-/// both absolute value and sign from the codes.
+/// A chunk's low- and high-nibble codes through the format's table.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn quads_signed_avx2(s: __m256i, w: __m256i, x: __m256i, a: __m256i) -> __m256i {
-    let pairs = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w, x));
-    _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+fn nibbles_table(v: __m256i, table: __m256i, low: __m256i) -> (__m256i, __m256i) {
+    let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+    let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+    (lo, hi)
 }
 
-/// [`quads_avxvnni`], with the `|x|` it does not need.
+/// A chunk's low- and high-nibble codes as they are: for a format whose table is the
+/// identity (INT4), the same bytes [`nibbles_table`] gives, without the lookups.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn nibbles_linear(v: __m256i, _table: __m256i, low: __m256i) -> (__m256i, __m256i) {
+    (
+        _mm256_and_si256(v, low),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
+    )
+}
+
+/// In each 32-bit lane, the four products of signed codes `w` and signed activations `x`,
+/// given `|x|` as `a` (AVX2): `|x|` as unsigned bytes times `w` with `x`'s sign, exact
+/// pairs in `i16` (`|w| <= 127` on this tier's unbiased tables, `|x| <= 127`), then
+/// quads. One instruction fewer a step than [`super::tiles8::quads_avx2`], which takes both
+/// absolute value and sign from the codes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn quads_signed_avx2(w: __m256i, x: __m256i, a: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(a, _mm256_sign_epi8(w, x));
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// Both halves of a chunk by [`quads_signed_avx2`].
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn pair_signed_avx2(
+    lo: __m256i,
+    hi: __m256i,
+    xlo: __m256i,
+    xhi: __m256i,
+    alo: __m256i,
+    ahi: __m256i,
+) -> __m256i {
+    _mm256_add_epi32(
+        quads_signed_avx2(lo, xlo, alo),
+        quads_signed_avx2(hi, xhi, ahi),
+    )
+}
+
+/// Both halves of a chunk of codes in `0..=15` (a linear format's, see [`nibbles_linear`])
+/// against signed `x` (AVX2): the codes are the unsigned operand of `vpmaddubsw` as they
+/// are, so no sign is moved, and the two halves' pairs are added in `i16` before one
+/// widening (a pair is at most `2 · 15 · 127 = 3,810` in magnitude, two of them 7,620: no
+/// rounding or saturation anywhere, so the same sums as [`pair_signed_avx2`]).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn pair_linear_avx2(
+    lo: __m256i,
+    hi: __m256i,
+    xlo: __m256i,
+    xhi: __m256i,
+    _alo: __m256i,
+    _ahi: __m256i,
+) -> __m256i {
+    let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// Both halves of a chunk by [`quads_avxvnni`], without the `|x|` it does not need.
 #[inline]
 #[target_feature(enable = "avx2,fma,avxvnni")]
-fn quads_biased_avxvnni(s: __m256i, w: __m256i, x: __m256i, _a: __m256i) -> __m256i {
-    quads_avxvnni(s, w, x)
+fn pair_biased_avxvnni(
+    lo: __m256i,
+    hi: __m256i,
+    xlo: __m256i,
+    xhi: __m256i,
+    _alo: __m256i,
+    _ahi: __m256i,
+) -> __m256i {
+    quads_avxvnni(quads_avxvnni(_mm256_setzero_si256(), lo, xlo), hi, xhi)
+}
+
+/// The biased table on the VNNI tier.
+#[inline]
+#[target_feature(enable = "avx2,fma,avxvnni")]
+fn nibbles_table_avxvnni(v: __m256i, table: __m256i, low: __m256i) -> (__m256i, __m256i) {
+    nibbles_table(v, table, low)
+}
+
+/// No bias to take off (the AVX2 tier's codes are signed, or linear and unsigned).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn unbias_none(s: __m256i, _b: __m256i) -> __m256i {
+    s
+}
+
+/// The biased codes' `128 · Σ q` taken off a block's sum (the VNNI tier).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn unbias_128(s: __m256i, b: __m256i) -> __m256i {
+    _mm256_sub_epi32(s, b)
 }
 
 tile_256!(
     tile_avx2,
     "avx2,fma",
-    quads_signed_avx2,
-    |s: __m256i, _b: __m256i| s
+    nibbles_table,
+    pair_signed_avx2,
+    unbias_none
+);
+tile_256!(
+    tile_avx2_linear,
+    "avx2,fma",
+    nibbles_linear,
+    pair_linear_avx2,
+    unbias_none
 );
 tile_256!(
     tile_avxvnni,
     "avx2,fma,avxvnni",
-    quads_biased_avxvnni,
-    |s: __m256i, b: __m256i| _mm256_sub_epi32(s, b)
+    nibbles_table_avxvnni,
+    pair_biased_avxvnni,
+    unbias_128
 );
 
 #[cfg(test)]
@@ -871,27 +977,12 @@ mod tests {
                 ScaleRule::Groups { .. } => view.group / BLOCK,
             };
             for &kind in &kinds {
-                let per = if matches!(kind, Kind::Avx512(_)) {
-                    4
-                } else {
-                    2
-                };
-                let lut = *view.lut.unwrap();
-                let biased = !matches!(kind, Kind::Avx2(_));
-                let shape = Shape {
-                    blocks,
-                    gblocks,
-                    per,
-                    table: if biased {
-                        lut.map(|v| v ^ i8::MIN)
-                    } else {
-                        lut
-                    },
-                    lut,
-                    ahead: ROWS * view.row_bytes,
-                };
-                let chunked: Vec<ChunkedX> =
-                    (0..XR).map(|b| ChunkedX::new(&panel, b, per)).collect();
+                let lut = view.lut.unwrap();
+                let shape = Shape::new(kind, lut, blocks, gblocks, view.row_bytes);
+                assert_eq!(shape.linear, matches!(format, Format::Int4Block(_)));
+                let chunked: Vec<ChunkedX> = (0..XR)
+                    .map(|b| ChunkedX::new(&panel, b, shape.per))
+                    .collect();
                 for first in [0, ROWS] {
                     let n = (rows - first).min(ROWS);
                     let scales = TileScales::new(&view, first, n);

@@ -37,8 +37,8 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256i, _CMP_GE_OQ, _CMP_LE_OQ, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi32,
-    _mm256_castps_si256, _mm256_cmp_ps, _mm256_cvtepi32_ps, _mm256_cvttps_epi32,
+    __m256i, _CMP_GE_OQ, _CMP_LE_OQ, _mm_loadu_si128, _mm256_abs_epi8, _mm256_add_epi16,
+    _mm256_add_epi32, _mm256_castps_si256, _mm256_cmp_ps, _mm256_cvtepi32_ps, _mm256_cvttps_epi32,
     _mm256_dpbusd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
     _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_max_epi32, _mm256_max_ps, _mm256_min_epi32,
     _mm256_min_ps, _mm256_mul_ps, _mm256_packs_epi16, _mm256_packs_epi32, _mm256_permute4x64_epi64,
@@ -475,7 +475,16 @@ unsafe fn quad_of(w: &[i8], u: usize) -> i32 {
 
 /// Eight weight rows against one block of the panel: `out[r][l]` is the row against the
 /// block's row `l`, before `Int4Block`'s minimums (AVX2 and AVX-VNNI fill 8 lanes).
-fn dots(kind: Kind, e: &Eight<'_>, gblocks: usize, p: &Panel, k: usize) -> [[f32; LANES]; MR] {
+/// `linear` says the codes are `0..=15` as they are (INT4's identity table): the AVX2 tier
+/// then runs `tile_avx2_linear` ([`pairs_linear_avx2`]).
+fn dots(
+    kind: Kind,
+    e: &Eight<'_>,
+    gblocks: usize,
+    p: &Panel,
+    k: usize,
+    linear: bool,
+) -> [[f32; LANES]; MR] {
     let (xq, step, bias) = p.block(k);
     let (kp, blocks, lanes) = (p.kp, p.blocks(), kind.lanes());
     let groups = blocks.div_ceil(gblocks.max(1));
@@ -503,6 +512,7 @@ fn dots(kind: Kind, e: &Eight<'_>, gblocks: usize, p: &Panel, k: usize) -> [[f32
     // `kp / 4` units, steps and biases of `lanes` each).
     unsafe {
         match kind {
+            Kind::Avx2(_) if linear => tile_avx2_linear(e, gblocks, blocks, xq, step, bias),
             Kind::Avx2(_) => tile_avx2(e, gblocks, blocks, xq, step, bias),
             Kind::AvxVnni(_) => tile_avxvnni(e, gblocks, blocks, xq, step, bias),
             Kind::Avx512(_) => tile_avx512(e, gblocks, blocks, xq, step, bias),
@@ -550,10 +560,11 @@ fn reference(
 }
 
 /// A 256-bit tile kernel: `$name`, with `$features`, summing a block with
-/// `$step(sum, xv, wv)` (`wv` four codes broadcast) and taking `$bias` (the biased
-/// codes' `128 · Σ q`, or nothing) off each block's sum.
+/// `$step(sum, xv, wv)` (`wv` four codes broadcast) and making the block's exact sum with
+/// `$finish(sum, bias)` (taking the biased codes' `128 · Σ q` off, or widening sums kept
+/// in `i16`, or nothing).
 macro_rules! tile_256 {
-    ($name:ident, $features:literal, $step:expr, $unbias:expr) => {
+    ($name:ident, $features:literal, $step:expr, $finish:expr) => {
         /// # Safety
         /// The features present; every row of `e` holds `32 · blocks` codes and every
         /// row's scales `blocks.div_ceil(gblocks)` (with `gblocks > 0`); `xq` holds
@@ -590,7 +601,7 @@ macro_rules! tile_256 {
                         )
                     };
                     for r in 0..MR {
-                        let exact = $unbias(s[r], bv);
+                        let exact = $finish(s[r], bv);
                         ga[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), sv, ga[r]);
                     }
                 }
@@ -627,12 +638,32 @@ pub(super) fn quads_avxvnni(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
     _mm256_dpbusd_avx_epi32(s, w, x)
 }
 
+/// A quad of codes in `0..=15` read as they are (INT4's identity table, unbiased on the
+/// AVX2 tier) against signed `x`: the codes are the unsigned operand of `vpmaddubsw` with
+/// no sign moved, and the pairs stay in `i16` until the block ends ([`widen_avx2`]): 8
+/// quads of a pair of products each are at most `16 · 15 · 127 = 30,480` in magnitude, so
+/// nothing saturates or rounds, and the block sums are [`quads_avx2`]'s in 2 instructions
+/// a quad instead of 5.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn pairs_linear_avx2(s: __m256i, x: __m256i, w: __m256i) -> __m256i {
+    _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x))
+}
+
+/// A block's pairs in `i16` ([`pairs_linear_avx2`]) widened to its sums in `i32`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn widen_avx2(s: __m256i, _b: __m256i) -> __m256i {
+    _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+}
+
 tile_256!(
     tile_avx2,
     "avx2,fma",
     |s: __m256i, x: __m256i, w: __m256i| quads_avx2(s, w, x),
     |s: __m256i, _b: __m256i| s
 );
+tile_256!(tile_avx2_linear, "avx2,fma", pairs_linear_avx2, widen_avx2);
 tile_256!(
     tile_avxvnni,
     "avx2,fma,avxvnni",
@@ -811,6 +842,7 @@ pub(super) fn run(
     let groups = blocks.div_ceil(gblocks);
     let panels = batch.div_ceil(lanes);
     let minimums = Minimums::new(&panel, batch, gblocks, mins);
+    let linear = view.lut == Some(&super::INT4_I8);
     super::run_tasks(
         yt,
         batch * ROWS,
@@ -823,7 +855,7 @@ pub(super) fn run(
             for m in 0..n.div_ceil(MR) {
                 let e = Eight::of(s, m);
                 for k in 0..panels {
-                    let d = dots(kind, &e, gblocks, &panel, k);
+                    let d = dots(kind, &e, gblocks, &panel, k, linear);
                     for (r, dr) in d.iter().enumerate() {
                         let row = m * MR + r;
                         if row >= n {
@@ -929,27 +961,35 @@ mod tests {
                 .collect();
             for &kind in &kinds {
                 let biased = !matches!(kind, Kind::Avx2(_));
-                for nibbles in [false, true] {
+                // the linear path (codes 0..=15 as they are) on INT4's codes, the extremes
+                // 0 and 15 among them
+                for (nibbles, linear) in [(false, false), (true, false), (true, true)] {
                     let panel = Panel::new(&x, batch, cols, nibbles, kind.lanes());
+                    let code = |c: i8| if linear { (c as u8 % 16) as i8 } else { c };
+                    let codes: Vec<i8> = unbiased
+                        .iter()
+                        .map(|&c| if biased { code(c) ^ i8::MIN } else { code(c) })
+                        .collect();
                     let s = Rows {
                         kp: panel.kp,
                         groups,
-                        codes: unbiased
-                            .iter()
-                            .map(|&c| if biased { c ^ i8::MIN } else { c })
-                            .collect(),
+                        codes,
                         scales: scales.clone(),
                     };
                     for m in 0..ROWS / MR {
                         let e = Eight::of(&s, m);
                         for k in 0..batch.div_ceil(kind.lanes()) {
-                            let got = dots(kind, &e, gblocks, &panel, k);
+                            let got = dots(kind, &e, gblocks, &panel, k, linear);
                             let (xq, step, _) = panel.block(k);
                             let want = reference(kind.lanes(), &e, gblocks, 5, xq, step, biased);
                             let bits = |v: [[f32; LANES]; MR]| -> Vec<u32> {
                                 v.iter().flatten().map(|f| f.to_bits()).collect()
                             };
-                            assert_eq!(bits(got), bits(want), "{kind:?}, rows {m}, block {k}");
+                            assert_eq!(
+                                bits(got),
+                                bits(want),
+                                "{kind:?}, rows {m}, block {k}, linear {linear}"
+                            );
                         }
                     }
                 }
