@@ -10,12 +10,15 @@ use compressme_quant::{Format, Packed};
 use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
 /// Rows of `x` up to which a packed layer always runs the packed kernels directly. Above
-/// it, layers of at least [`KERNEL_MIN_WEIGHTS`] weights in the integer formats (and in
-/// F16/BF16 on the AVX-512 tier) still run the packed kernels,
-/// [`KERNEL_CHUNK_ROWS`] rows a call, whose tiles for batches of 8 and more are faster than
-/// dense f32 on the SIMD tiers; the rest (F16/BF16 below AVX-512, every format on the
-/// portable tier) dequantize the weight tile by tile into a reused scratch buffer and
-/// multiply with candle's dense kernel (measured on MiniLM's shapes: docs/BENCHMARKS.md).
+/// it, layers of at least [`KERNEL_MIN_WEIGHTS`] weights still run the packed kernels on
+/// the SIMD tiers, [`KERNEL_CHUNK_ROWS`] rows a call, in every format: the integer
+/// formats' tiles for batches of 8 and more are faster than dense f32, and F16/BF16 run
+/// them too (on AVX2 about 1.1-1.2x dense f32's time at batch 32) because every SIMD tier
+/// gives the same bits, so a model's outputs do not depend on the CPU it ran on (with
+/// dequantized tiles below AVX-512, a report recorded on an AVX-512 CPU did not replay on
+/// an AVX2 one). The rest (the portable tier, small layers) dequantize the weight tile by
+/// tile into a reused scratch buffer and multiply with candle's dense kernel (measured on
+/// MiniLM's shapes: docs/BENCHMARKS.md).
 pub const DIRECT_MAX_ROWS: usize = 32;
 /// Rows of `x` a call to the packed kernels takes above [`DIRECT_MAX_ROWS`]: bounds the
 /// kernels' temporaries (their transposed output and rounded input) whatever the batch.
@@ -353,7 +356,7 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
         let xv = x32.flatten_all()?.to_vec1::<f32>()?;
         let y = compressme_quant::matmul(&xv, n, p)?;
         Tensor::from_vec(y, out_shape, &Device::Cpu)?
-    } else if p.rows() * cols >= KERNEL_MIN_WEIGHTS && kernels_at_any_batch(p.format()) {
+    } else if p.rows() * cols >= KERNEL_MIN_WEIGHTS && kernels_at_any_batch() {
         let xv = x32.flatten_all()?.to_vec1::<f32>()?;
         let rows = p.rows();
         let mut y = vec![0f32; n * rows];
@@ -370,15 +373,15 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
     Ok(y.to_dtype(x.dtype())?.to_device(x.device())?)
 }
 
-/// Whether the packed kernels beat dequantized tiles and candle's dense kernel at every
-/// batch for `format` on this process's kernel tier (see [`DIRECT_MAX_ROWS`]).
-fn kernels_at_any_batch(format: Format) -> bool {
+/// Whether this process's kernel tier runs the packed kernels at every batch (see
+/// [`DIRECT_MAX_ROWS`]): every SIMD tier, whatever the format, so the arithmetic (and the
+/// bits) are the same on every CPU with AVX2.
+fn kernels_at_any_batch() -> bool {
     use compressme_quant::Tier;
-    match compressme_quant::kernel_tier() {
-        Ok(Tier::Avx512Vnni) => true,
-        Ok(Tier::Avx2 | Tier::AvxVnni) => !matches!(format, Format::F16 | Format::Bf16),
-        _ => false,
-    }
+    matches!(
+        compressme_quant::kernel_tier(),
+        Ok(Tier::Avx512Vnni | Tier::AvxVnni | Tier::Avx2)
+    )
 }
 
 /// Dequantizes `p` a tile of rows at a time into this thread's scratch (at most

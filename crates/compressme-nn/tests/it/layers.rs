@@ -93,6 +93,52 @@ fn packed_linear_matches_its_dequantized_weights() {
     }
 }
 
+/// On every SIMD tier a layer of `KERNEL_MIN_WEIGHTS` weights or more runs the packed
+/// kernels at every batch, in every format, F16 and BF16 included: its output above
+/// `DIRECT_MAX_ROWS` rows is the kernels' own, bit for bit, so a model's outputs are the
+/// same on every CPU with AVX2 (the tiers give the same bits; dequantized tiles and
+/// candle's kernel, which F16/BF16 used below AVX-512, do not).
+#[test]
+fn large_layers_run_the_kernels_at_every_batch_in_every_format() {
+    use compressme_quant::{Tier, kernel_tier, matmul_into};
+    let tier = kernel_tier().unwrap();
+    if tier == Tier::Portable {
+        eprintln!(
+            "skipped: large_layers_run_the_kernels_at_every_batch_in_every_format needs a SIMD tier (this process runs {tier:?})"
+        );
+        return;
+    }
+    let dev = Device::Cpu;
+    let (out, inp, rows) = (300, 256, DIRECT_MAX_ROWS + 68);
+    const { assert!(300 * 256 >= KERNEL_MIN_WEIGHTS && DIRECT_MAX_ROWS + 68 <= KERNEL_CHUNK_ROWS) };
+    for format in [
+        Format::F16,
+        Format::Bf16,
+        Format::Int8,
+        Format::Nf4Block(GroupSize::G64),
+    ] {
+        let w =
+            Tensor::from_vec(matrix(MatrixKind::StudentT, out, inp, 3), (out, inp), &dev).unwrap();
+        let mut l = Linear::new("test.linear", w, None, Hooks::default()).unwrap();
+        let new = l.prepare(&Storage::Quant(format), &dev).unwrap();
+        l.set_weight(new).unwrap();
+        let Weight::Packed(p) = l.weight() else {
+            panic!("{format}: not packed");
+        };
+        let xv = matrix(MatrixKind::Gaussian, rows, inp, 7);
+        let mut want = vec![0f32; rows * out];
+        matmul_into(&xv, rows, p, &mut want).unwrap();
+        let x = Tensor::from_vec(xv, (rows, inp), &dev).unwrap();
+        let got = l.forward(&x).unwrap().flatten_all().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got.to_vec1::<f32>().unwrap()),
+            bits(&want),
+            "{format} on {tier:?}, {rows} rows"
+        );
+    }
+}
+
 #[test]
 fn embedding_storages_return_the_table_dtype_and_keep_zero_rows() {
     let dev = Device::Cpu;
