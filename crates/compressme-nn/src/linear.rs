@@ -12,9 +12,9 @@ use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 /// Rows of `x` up to which a packed layer always runs the packed kernels directly. Above
 /// it, layers of at least [`KERNEL_MIN_WEIGHTS`] weights still run the packed kernels on
 /// the SIMD tiers, [`KERNEL_CHUNK_ROWS`] rows a call, in every format: the integer
-/// formats' tiles for batches of 8 and more are faster than dense f32, and F16/BF16 run
-/// them too (on AVX2 about 1.1-1.2x dense f32's time at batch 32) because every SIMD tier
-/// gives the same bits, so a model's outputs do not depend on the CPU it ran on (with
+/// formats' tiles for batches of 8 and more are faster than dense f32, F16/BF16's too
+/// (about 0.7x dense f32's time at batch 32 on AVX2), and every SIMD tier gives the same
+/// bits, so a model's outputs do not depend on the CPU it ran on (with
 /// dequantized tiles below AVX-512, a report recorded on an AVX-512 CPU did not replay on
 /// an AVX2 one). The rest (the portable tier, small layers) dequantize the weight tile by
 /// tile into a reused scratch buffer and multiply with candle's dense kernel (measured on

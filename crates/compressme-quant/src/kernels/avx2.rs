@@ -709,6 +709,67 @@ pub(super) fn dot_half<const N: usize>(
     out
 }
 
+/// [`dot_half`] for `R` weight rows at once, without the tail: `[row][x row]`, each the
+/// head sum over the first `body` columns (a multiple of 8) that [`dot_half`] adds its tail
+/// to, the same bits (each pair's eight lanes run the same `fma`s in the same order, then
+/// [`hsum`]); each `x` vector loaded once for the `R` rows. `None` when a slice is too
+/// short.
+pub(super) fn dot_half_rows<const R: usize, const N: usize>(
+    t: Token,
+    codes: [&[u8]; R],
+    bf16: bool,
+    xs: [&[f32]; N],
+    body: usize,
+) -> Option<[[f32; N]; R]> {
+    let fits = body.is_multiple_of(8)
+        && codes.iter().all(|c| c.len() >= 2 * body)
+        && xs.iter().all(|x| x.len() >= body);
+    if !fits {
+        return None;
+    }
+    let _ = t;
+    // SAFETY: the token proves AVX2, FMA and F16C; `fits` checked the lengths the loads
+    // rely on
+    Some(unsafe { dot_half_rows_imp(codes, bf16, xs, body) })
+}
+
+/// # Safety
+/// AVX2, FMA and F16C present; `body` a multiple of 8 with every `codes[r].len() >= 2 *
+/// body` and every `xs[i].len() >= body`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_half_rows_imp<const R: usize, const N: usize>(
+    codes: [&[u8]; R],
+    bf16: bool,
+    xs: [&[f32]; N],
+    body: usize,
+) -> [[f32; N]; R] {
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut j = 0;
+    while j < body {
+        let mut wv = [_mm256_setzero_ps(); R];
+        for (w, c) in wv.iter_mut().zip(&codes) {
+            // SAFETY: j + 8 <= body: bytes 2j..2j+16 of the row are in range
+            let h = unsafe { _mm_loadu_si128(c.as_ptr().add(2 * j).cast()) };
+            *w = if bf16 {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_cvtph_ps(h)
+            };
+        }
+        for (k, x) in xs.iter().enumerate() {
+            // SAFETY: j + 8 <= body <= x.len()
+            let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(j)) };
+            for (a, w) in acc.iter_mut().zip(&wv) {
+                if let Some(a) = a.get_mut(k) {
+                    *a = _mm256_fmadd_ps(*w, xv, *a);
+                }
+            }
+        }
+        j += 8;
+    }
+    acc.map(|row| row.map(|v| hsum(v)))
+}
+
 /// # Safety
 /// AVX2, FMA and F16C present; `body` a multiple of 8 with `codes.len() >= 2 * body` and
 /// every `xs[i].len() >= body`.

@@ -1226,9 +1226,11 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
     let bf16 = matches!(w.format(), Format::Bf16);
     let rb = w.format().row_code_bytes(cols);
     #[cfg(target_arch = "x86_64")]
-    if let (Isa::Avx512(t), true) = (isa, batch >= 2) {
-        half_tiles(t, x, batch, w, yt);
-        return;
+    match (isa, batch >= 2) {
+        (Isa::Avx512(t), true) => return half_tiles(t, x, batch, w, yt),
+        (Isa::Avx2(t), true) => return half_pairs(t, x, batch, w, yt),
+        (Isa::AvxVnni(t), true) => return half_pairs(t.avx2(), x, batch, w, yt),
+        _ => {}
     }
     run_tasks(
         yt,
@@ -1237,21 +1239,102 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
         || (),
         |(), (r, yr)| {
             let codes = w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
-            in_fours(
+            half_row(
+                isa,
+                codes,
+                bf16,
                 batch,
-                |b| x.get(b * cols..(b + 1) * cols).unwrap_or(&[]),
-                |b0, [a, b, c, d], n| {
-                    let dots = match n {
-                        1 => pad(isa.dot_half(codes, bf16, [a])),
-                        2 => pad(isa.dot_half(codes, bf16, [a, b])),
-                        3 => pad(isa.dot_half(codes, bf16, [a, b, c])),
-                        _ => isa.dot_half(codes, bf16, [a, b, c, d]),
-                    };
-                    for (o, v) in yr.iter_mut().skip(b0).zip(dots.iter().take(n)) {
-                        *o = *v;
-                    }
-                },
+                |b| x.get(b * cols..(b + 1) * cols),
+                yr,
             );
+        },
+    );
+}
+
+/// One weight row's F16/BF16 `codes` against every row of `x` (`xrow(b)`, empty past the
+/// end), four a call, into `yr`.
+fn half_row<'a>(
+    isa: Isa,
+    codes: &[u8],
+    bf16: bool,
+    batch: usize,
+    xrow: impl Fn(usize) -> Option<&'a [f32]>,
+    yr: &mut [f32],
+) {
+    in_fours(
+        batch,
+        |b| xrow(b).unwrap_or(&[]),
+        |b0, [a, b, c, d], n| {
+            let dots = match n {
+                1 => pad(isa.dot_half(codes, bf16, [a])),
+                2 => pad(isa.dot_half(codes, bf16, [a, b])),
+                3 => pad(isa.dot_half(codes, bf16, [a, b, c])),
+                _ => isa.dot_half(codes, bf16, [a, b, c, d]),
+            };
+            for (o, v) in yr.iter_mut().skip(b0).zip(dots.iter().take(n)) {
+                *o = *v;
+            }
+        },
+    );
+}
+
+/// [`half_rows`] on the 256-bit tiers, batch 2 and up: two weight rows a task, each `x`
+/// vector loaded once for both (against up to four `x` rows a call: eight accumulators),
+/// which the loads bounded (one weight row against four `x` rows loads five vectors for
+/// four `fma`s). The same bits as one row at a time: each output's head is the same
+/// chain of `fma`s ([`avx2::dot_half_rows`]) and its tail the same portable sum.
+#[cfg(target_arch = "x86_64")]
+fn half_pairs(t: avx2::Token, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
+    let cols = w.cols();
+    let bf16 = matches!(w.format(), Format::Bf16);
+    let rb = w.format().row_code_bytes(cols);
+    let body = cols / 8 * 8;
+    let xrow = |b: usize| x.get(b * cols..(b + 1) * cols).unwrap_or(&[]);
+    let codes_of = |r: usize| w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+    let narrow = Isa::Avx2(t);
+    run_tasks(
+        yt,
+        batch * 2,
+        batch * w.rows() * cols,
+        || (),
+        |(), (task, out)| {
+            let r0 = task * 2;
+            if out.len() < 2 * batch {
+                // an odd last row: one row at a time
+                let xr = |b: usize| x.get(b * cols..(b + 1) * cols);
+                return half_row(narrow, codes_of(r0), bf16, batch, xr, out);
+            }
+            let codes = [codes_of(r0), codes_of(r0 + 1)];
+            let tails = codes.map(|c| c.get(2 * body..).unwrap_or(&[]));
+            in_fours(batch, xrow, |b0, [a, b, c, d], n| {
+                let heads = match n {
+                    1 => avx2::dot_half_rows(t, codes, bf16, [a], body).map(|h| h.map(pad)),
+                    2 => avx2::dot_half_rows(t, codes, bf16, [a, b], body).map(|h| h.map(pad)),
+                    3 => avx2::dot_half_rows(t, codes, bf16, [a, b, c], body).map(|h| h.map(pad)),
+                    _ => avx2::dot_half_rows(t, codes, bf16, [a, b, c, d], body),
+                };
+                let xs = [a, b, c, d];
+                for (k, yr) in out.chunks_exact_mut(batch).enumerate().take(2) {
+                    let head = heads.map(|h| h[k]);
+                    for i in 0..n {
+                        let Some(o) = yr.get_mut(b0 + i) else {
+                            continue;
+                        };
+                        *o = match head {
+                            // dot_half's own order: the head, then the tail added
+                            Some(h) => {
+                                let xt = xs[i].get(body..).unwrap_or(&[]);
+                                let [v] = portable::dot_half(tails[k], bf16, [xt]);
+                                h[i] + v
+                            }
+                            None => {
+                                let [v] = narrow.dot_half(codes[k], bf16, [xs[i]]);
+                                v
+                            }
+                        };
+                    }
+                }
+            });
         },
     );
 }
