@@ -377,11 +377,7 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
 /// [`DIRECT_MAX_ROWS`]): every SIMD tier, whatever the format, so the arithmetic (and the
 /// bits) are the same on every CPU with AVX2.
 fn kernels_at_any_batch() -> bool {
-    use compressme_quant::Tier;
-    matches!(
-        compressme_quant::kernel_tier(),
-        Ok(Tier::Avx512Vnni | Tier::AvxVnni | Tier::Avx2)
-    )
+    compressme_quant::kernel_tier().is_ok_and(|t| t > compressme_quant::Tier::Portable)
 }
 
 /// Dequantizes `p` a tile of rows at a time into this thread's scratch (at most

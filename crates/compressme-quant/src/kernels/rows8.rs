@@ -48,7 +48,7 @@ use std::arch::x86_64::{
 };
 
 use super::tiles::{Kind, ROWS};
-use super::tiles8::{Minimums, Panel, group_blocks, quads_avxvnni};
+use super::tiles8::{Codes, Minimums, Panel, group_blocks, quads_avxvnni};
 use super::{RowsView, ScaleRule};
 
 /// Columns of `x` that share one 8-bit step.
@@ -275,7 +275,7 @@ impl Shape {
             },
             lut: *lut,
             ahead: ROWS * row_bytes,
-            linear: *lut == super::INT4_I8,
+            linear: Codes::of(Some(lut)) == Codes::Linear,
         }
     }
 }
@@ -890,13 +890,6 @@ fn pair_biased_avxvnni(
     quads_avxvnni(quads_avxvnni(_mm256_setzero_si256(), lo, xlo), hi, xhi)
 }
 
-/// The biased table on the VNNI tier.
-#[inline]
-#[target_feature(enable = "avx2,fma,avxvnni")]
-fn nibbles_table_avxvnni(v: __m256i, table: __m256i, low: __m256i) -> (__m256i, __m256i) {
-    nibbles_table(v, table, low)
-}
-
 /// No bias to take off (the AVX2 tier's codes are signed, or linear and unsigned).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -928,7 +921,7 @@ tile_256!(
 tile_256!(
     tile_avxvnni,
     "avx2,fma,avxvnni",
-    nibbles_table_avxvnni,
+    nibbles_table,
     pair_biased_avxvnni,
     unbias_128
 );

@@ -691,7 +691,7 @@ tile_256!(
 
 /// What a product's codes can be, which picks the AVX2 tile's step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Codes {
+pub(super) enum Codes {
     /// Any byte, -128 included (the 8-bit formats): [`quads_avx2`].
     Bytes,
     /// A 4-bit table's values, `|w| <= 127`: [`quads_table_avx2`].
@@ -701,8 +701,9 @@ enum Codes {
 }
 
 impl Codes {
-    fn of(view: &RowsView<'_>) -> Self {
-        match view.lut {
+    /// The codes a format's table (`None` for the 8-bit formats) gives.
+    pub(super) fn of(lut: Option<&[i8; 16]>) -> Self {
+        match lut {
             Some(lut) if *lut == super::INT4_I8 => Self::Linear,
             Some(lut) if lut.iter().all(|&v| v != i8::MIN) => Self::Table,
             _ => Self::Bytes,
@@ -887,7 +888,7 @@ pub(super) fn run(
     let groups = blocks.div_ceil(gblocks);
     let panels = batch.div_ceil(lanes);
     let minimums = Minimums::new(&panel, batch, gblocks, mins);
-    let codes = Codes::of(view);
+    let codes = Codes::of(view.lut);
     super::run_tasks(
         yt,
         batch * ROWS,
