@@ -91,9 +91,11 @@ fn main() -> Result<(), String> {
         theirs[i].forward(&xt).map_err(|e| s(&e))?;
         Ok(t.elapsed().as_secs_f64())
     };
-    // one untimed pass over every matrix first
+    // one untimed pass over every matrix first; ours' first product builds any in-memory
+    // layout the kernels use (`Packed::layout_bytes`)
+    let mut first = 0.0;
     for i in 0..mats {
-        run_ours(i)?;
+        first += run_ours(i)?;
         run_theirs(i)?;
     }
     // one product, or the median of a run's products after its first
@@ -132,6 +134,15 @@ fn main() -> Result<(), String> {
         cpu_features(),
         candle_kernel_tier(),
         rayon::current_num_threads()
+    );
+    let built: usize = ours.iter().map(|w| w.layout_bytes()).sum();
+    let stored: usize = ours.iter().map(|w| w.stored_bytes()).sum();
+    println!(
+        "ours' first product of each matrix: {:.3} ms in all; in-memory layouts built {:.1} MB \
+         beside {:.1} MB stored",
+        1e3 * first,
+        built as f64 / 1e6,
+        stored as f64 / 1e6
     );
     println!(
         "{name} [{tier}] over candle {peer:?}, batch {batch}, {mats} matri{}, {pairs} pairs{}: \

@@ -284,6 +284,37 @@ pub struct Packed {
     scales: Vec<f32>,
     /// Int4Block's per-group minimums.
     mins: Vec<f32>,
+    /// Layouts of the codes the kernels build in memory on first use.
+    pub(crate) layouts: Layouts,
+}
+
+/// Layouts of a matrix's codes that the kernels build in memory on first use, for speed:
+/// never stored, never compared (two matrices with the same codes are equal whatever was
+/// built), and counted by [`Packed::layout_bytes`].
+#[derive(Clone, Default)]
+pub(crate) struct Layouts {
+    /// A 4-bit format's codes a tile of 16 rows at a time, for the AVX-512 kernel of
+    /// batches of 1 to 7 (`kernels::rows8`).
+    pub(crate) tiled: std::sync::OnceLock<Box<[u8]>>,
+}
+
+impl Layouts {
+    /// Bytes built so far.
+    fn bytes(&self) -> usize {
+        self.tiled.get().map_or(0, |t| t.len())
+    }
+}
+
+impl PartialEq for Layouts {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for Layouts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Layouts {{ bytes: {} }}", self.bytes())
+    }
 }
 
 /// For each byte, its low and high nibble's codebook values.
@@ -538,6 +569,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
         codes,
         scales,
         mins,
+        layouts: Layouts::default(),
     })
 }
 
@@ -687,6 +719,7 @@ impl Packed {
             codes,
             scales,
             mins,
+            layouts: Layouts::default(),
         })
     }
 
@@ -735,6 +768,17 @@ impl Packed {
             .len()
             .saturating_add(self.scales.len().saturating_mul(size))
             .saturating_add(self.mins.len().saturating_mul(2))
+    }
+
+    /// Bytes of the in-memory layouts the kernels have built for this matrix so far,
+    /// beyond [`Packed::stored_bytes`]: 0 until a product builds one. Today one: on a CPU
+    /// whose best tier is AVX-512 VNNI, the first product of a 4-bit matrix at a batch of 1
+    /// to 7 copies its codes a tile of 16 rows at a time (one stream for the kernel to
+    /// read instead of sixteen), as many bytes as the codes; `COMPRESSME_REPACK=0` turns
+    /// it off. The outputs are the same bits either way.
+    #[must_use]
+    pub fn layout_bytes(&self) -> usize {
+        self.layouts.bytes()
     }
 
     /// Bytes of the same matrix in f32.

@@ -252,6 +252,15 @@ impl Activations {
     }
 }
 
+/// Whether the AVX-512 tier may copy a 4-bit matrix's codes into its tiled layout on
+/// first use (see [`Packed::layout_bytes`]): unless `COMPRESSME_REPACK` is `0` (read once
+/// a process).
+#[cfg(target_arch = "x86_64")]
+fn repack() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("COMPRESSME_REPACK").map_or(true, |v| v.trim() != "0"))
+}
+
 /// The activations [`Activations::Auto`] runs for `format`: `COMPRESSME_ACTIVATIONS`
 /// (`14` or `8`, for every format; read once a process) when it is set to one of them,
 /// otherwise [`Activations::default_for`].
@@ -1152,7 +1161,15 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
         // INT4's minimums, one a group of each row
         let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
         if batch <= rows8::MAX_BATCH {
-            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins);
+            let tiled = match kind {
+                tiles::Kind::Avx512(_) if repack() => Some(
+                    &**w.layouts
+                        .tiled
+                        .get_or_init(|| rows8::tile_codes(&view, w.rows())),
+                ),
+                _ => None,
+            };
+            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, tiled);
         } else {
             tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins);
         }
