@@ -2,7 +2,8 @@
 //! kernel: `cargo run --release -p compressme-benches --example tier_probe -- FORMAT
 //! [REPS [TIER|all [BATCH [ACTIVATIONS]]]]` (defaults `nf4-g64 200 all 1 auto`;
 //! ACTIVATIONS is `auto`, `14`, `8` or `both`, the last interleaving 14- and 8-bit
-//! activations); prints each tier's best time.
+//! activations); prints each tier's best time, and a checksum of the last output's bits (so
+//! two settings of one binary, e.g. `COMPRESSME_REPACK=0`, can be seen to give the same).
 use std::time::Instant;
 
 use compressme_quant::synthetic::{MatrixKind, matrix};
@@ -46,6 +47,10 @@ fn main() -> Result<(), String> {
             *b = b.min(s.elapsed().as_secs_f64());
         }
     }
+    let sum = y.iter().fold(0u64, |h, v| {
+        h.wrapping_mul(31).wrapping_add(u64::from(v.to_bits()))
+    });
+    println!("checksum of the last output's bits: {sum:016x}");
     for (b, (t, a)) in best.iter().zip(&runs) {
         println!(
             "{name} [{t}] batch {batch}, activations {}: {:.3} ms (best of {reps})",
