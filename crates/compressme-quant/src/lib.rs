@@ -17,7 +17,10 @@
 //! more run on tiles, one `x` row a vector lane), and [`matmul_into`] writes the same bits
 //! into a caller's slice ([`matmul_into_using`] with chosen activations);
 //! [`reference::matmul`] is the exact definition they are held to, within [`error_bound`]
-//! (and [`error_bound_block8`] for 8-bit activations).
+//! (and [`error_bound_block8`] for 8-bit activations). On the AVX-512 tier a 4-bit matrix
+//! multiplied at batches of 1 to 7 keeps a second, tiled copy of its codes in memory, built
+//! on that first product for the kernel to read in order ([`Packed::layout_bytes`] counts
+//! it; `COMPRESSME_REPACK=0` turns it off; the outputs are the same bits).
 //!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
 //! benches put llama.cpp's formats beside these), and not a file format (the artifact
