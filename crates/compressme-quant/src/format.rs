@@ -293,15 +293,31 @@ pub struct Packed {
 /// built), and counted by [`Packed::layout_bytes`].
 #[derive(Clone, Default)]
 pub(crate) struct Layouts {
-    /// A 4-bit format's codes a tile of 16 rows at a time, for the AVX-512 kernel of
-    /// batches of 1 to 7 (`kernels::rows8`).
-    pub(crate) tiled: std::sync::OnceLock<Box<[u8]>>,
+    /// A 4-bit format's codes (and group scales) a tile of 16 rows at a time, for the
+    /// AVX-512 kernel of batches of 1 to 7 (`kernels::rows8`).
+    pub(crate) tiled: std::sync::OnceLock<Tiled>,
+}
+
+/// A matrix's codes and group scales a tile of 16 rows at a time (`kernels::rows8`'s
+/// `tile`).
+#[derive(Clone)]
+pub(crate) struct Tiled {
+    /// For tile `t`, chunk `h` (64 bytes of a row) and row `r`: `((t · chunks + h) · 16 + r)
+    /// · 64`.
+    pub(crate) codes: Box<[u8]>,
+    /// The group scales as f16 bits, for tile `t`, group `g` and row `r` at `(t · groups +
+    /// g) · 16 + r`; `None` for the per-row formats and where a scale is not exactly an f16.
+    pub(crate) scales: Option<Box<[u16]>>,
 }
 
 impl Layouts {
     /// Bytes built so far.
     fn bytes(&self) -> usize {
-        self.tiled.get().map_or(0, |t| t.len())
+        self.tiled.get().map_or(0, |t| {
+            t.codes
+                .len()
+                .saturating_add(t.scales.as_ref().map_or(0, |s| s.len().saturating_mul(2)))
+        })
     }
 }
 

@@ -39,17 +39,19 @@ use std::arch::x86_64::{
     _mm256_sub_epi32, _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpackhi_ps,
     _mm256_unpacklo_epi32, _mm256_unpacklo_epi64, _mm256_unpacklo_ps, _mm512_add_epi32,
     _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd,
-    _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps,
-    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_shuffle_f32x4,
-    _mm512_shuffle_i32x4, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
-    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
-    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+    _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
+    _mm512_loadu_si512, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32,
+    _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
+    _mm512_shuffle_f32x4, _mm512_shuffle_i32x4, _mm512_srli_epi16, _mm512_storeu_ps,
+    _mm512_sub_epi32, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd,
+    _mm512_unpackhi_ps, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd,
+    _mm512_unpacklo_ps,
 };
 
 use super::tiles::{Kind, ROWS};
 use super::tiles8::{Codes, Minimums, Panel, group_blocks, quads_avxvnni};
 use super::{RowsView, ScaleRule};
+use crate::format::Tiled;
 
 /// Columns of `x` that share one 8-bit step.
 const BLOCK: usize = super::BLOCK8;
@@ -116,14 +118,19 @@ enum TileScales<'a> {
     },
     /// Per-row formats (one group): each row's scale.
     Row([f32; ROWS]),
+    /// Blockwise formats in the tiled layout: row `r`'s scale of group `g` is the f16
+    /// `half[16g + r]` times `k` (the same value as [`TileScales::Groups`] gives: the scales
+    /// are f16s, so the conversion is exact).
+    Tiled { half: &'a [u16], k: f32 },
 }
 
 impl<'a> TileScales<'a> {
     /// Rows `first..first + n` of `view` (rows past `n` read row `first`'s; their
-    /// outputs are not kept).
-    fn new(view: &RowsView<'a>, first: usize, n: usize) -> Self {
+    /// outputs are not kept), or `half`, the tile's scales in the tiled layout.
+    fn new(view: &RowsView<'a>, first: usize, n: usize, half: Option<&'a [u16]>) -> Self {
         let row = |r: usize| first + if r < n { r } else { 0 };
         match view.rule {
+            ScaleRule::Groups { k, .. } if let Some(half) = half => Self::Tiled { half, k },
             ScaleRule::Groups { per_row, k } => Self::Groups {
                 all: view.scales,
                 start: std::array::from_fn(|r| row(r).saturating_mul(per_row)),
@@ -142,6 +149,9 @@ impl<'a> TileScales<'a> {
                 .iter()
                 .all(|&s| s.checked_add(groups).is_some_and(|end| end <= all.len())),
             Self::Row(_) => true,
+            Self::Tiled { half, .. } => groups
+                .checked_mul(ROWS)
+                .is_some_and(|need| need <= half.len()),
         }
     }
 
@@ -154,6 +164,9 @@ impl<'a> TileScales<'a> {
                 .and_then(|&s| all.get(s.checked_add(g)?))
                 .map_or(0.0, |v| v * k),
             Self::Row(v) => v.get(r).copied().unwrap_or(0.0),
+            Self::Tiled { half, k } => half
+                .get(g.saturating_mul(ROWS).saturating_add(r))
+                .map_or(0.0, |&h| half::f16::from_bits(h).to_f32() * k),
         }
     }
 }
@@ -171,7 +184,7 @@ pub(super) fn run(
     rows: usize,
     yt: &mut [f32],
     mins: Option<&[f32]>,
-    tiled: Option<&[u8]>,
+    tiled: Option<&Tiled>,
 ) {
     let Some(lut) = view.lut else {
         return;
@@ -180,17 +193,26 @@ pub(super) fn run(
     let blocks = panel.blocks();
     let gblocks = group_blocks(view, blocks);
     let mut shape = Shape::new(kind, lut, blocks, gblocks, view.row_bytes);
-    // the tiled layout ([`tile_codes`]), where it is this product's: the AVX-512 tier's
+    // the tiled layout ([`tile`]), where it is this product's: the AVX-512 tier's
     // chunks, a whole tile for every task
     let span = view.row_bytes.div_ceil(64) * ROWS * 64;
+    let tiles = rows.div_ceil(ROWS);
     let tiled = tiled.filter(|t| {
         matches!(kind, Kind::Avx512(_))
             && view.row_bytes.div_ceil(64) == blocks.div_ceil(4)
-            && t.len() == rows.div_ceil(ROWS) * span
+            && t.codes.len() == tiles * span
     });
     if tiled.is_some() {
         shape.stride = ROWS * 64;
     }
+    // and its scales, a tile's `per_row · ROWS`
+    let scale_span = match view.rule {
+        ScaleRule::Groups { per_row, .. } => per_row * ROWS,
+        ScaleRule::Row { .. } => 0,
+    };
+    let half = tiled
+        .and_then(|t| t.scales.as_deref())
+        .filter(|h| scale_span > 0 && h.len() == tiles * scale_span);
     let chunked: Vec<ChunkedX> = (0..batch)
         .map(|b| ChunkedX::new(&panel, b, shape.per))
         .collect();
@@ -206,10 +228,11 @@ pub(super) fn run(
             if n == 0 {
                 return;
             }
-            let scales = TileScales::new(view, first, n);
+            let tile_half = half.and_then(|h| h.get(task * scale_span..(task + 1) * scale_span));
+            let scales = TileScales::new(view, first, n, tile_half);
             // rows past the matrix read its first row of the task (their outputs are not
             // kept), so every row of a kernel call has the same length
-            let codes: [&[u8]; ROWS] = match tiled {
+            let codes: [&[u8]; ROWS] = match tiled.map(|t| &*t.codes) {
                 // row r's chunk h at (h · ROWS + r) · 64 of its tile: the kernel reads at
                 // a stride of ROWS · 64
                 Some(t) => {
@@ -275,18 +298,22 @@ fn amd() -> bool {
 /// 16 rows.
 const TILED_AHEAD: usize = 2 * ROWS * 64;
 
-/// The tiled layout of a 4-bit matrix's codes (`rows` rows of `view.row_bytes`): for tile
+/// The tiled layout of a 4-bit matrix (`rows` rows of `view.row_bytes` codes): for tile
 /// `t` (rows `16t..16t + 16`), chunk `h` (bytes `64h..64h + 64` of a row) and row `r` of
 /// the tile, the chunk at `((t · chunks + h) · 16 + r) · 64`, `chunks` the row's bytes
 /// over 64 rounded up; zeros past a row's end and for rows past the matrix. The AVX-512
 /// kernel then reads one stream in order where the storage layout is sixteen (one a row):
-/// at 4096 x 4096 NF4-g64 on Zen 5, one thread, 0.215-0.224 ms against 0.281-0.287 in
-/// cache, and 0.69x -> 0.55x candle Q4_K's time from memory.
-pub(super) fn tile_codes(view: &RowsView<'_>, rows: usize) -> Box<[u8]> {
+/// at 4096 x 4096 NF4-g64 on Zen 5, one thread, 0.213-0.223 ms against 0.268-0.291 in
+/// cache. A blockwise format's group scales, when every one is exactly an f16 (as the
+/// format stores them), come too, as f16 bits, a vector a group: for tile `t`, group `g`
+/// and row `r` at `(t · groups + g) · 16 + r` (half the bytes of the f32s, and no
+/// transposition).
+pub(super) fn tile(view: &RowsView<'_>, rows: usize) -> Tiled {
     let chunks = view.row_bytes.div_ceil(64);
     let span = chunks * ROWS * 64;
-    let mut out = vec![0u8; rows.div_ceil(ROWS) * span];
-    for (t, tile) in out.chunks_exact_mut(span.max(1)).enumerate() {
+    let tiles = rows.div_ceil(ROWS);
+    let mut codes = vec![0u8; tiles * span];
+    for (t, tile) in codes.chunks_exact_mut(span.max(1)).enumerate() {
         for h in 0..chunks {
             for r in 0..ROWS {
                 let row = view.codes_of(t * ROWS + r);
@@ -298,7 +325,29 @@ pub(super) fn tile_codes(view: &RowsView<'_>, rows: usize) -> Box<[u8]> {
             }
         }
     }
-    out.into_boxed_slice()
+    let scales = match view.rule {
+        ScaleRule::Groups { per_row, .. }
+            if view.scales.len() == rows * per_row
+                && view
+                    .scales
+                    .iter()
+                    .all(|&v| half::f16::from_f32(v).to_f32().to_bits() == v.to_bits()) =>
+        {
+            let mut out = vec![0u16; tiles * per_row * ROWS];
+            for (i, o) in out.iter_mut().enumerate() {
+                let (t, g, r) = (i / (per_row * ROWS), i / ROWS % per_row, i % ROWS);
+                if let Some(&v) = view.scales.get((t * ROWS + r) * per_row + g) {
+                    *o = half::f16::from_f32(v).to_bits();
+                }
+            }
+            Some(out.into_boxed_slice())
+        }
+        _ => None,
+    };
+    Tiled {
+        codes: codes.into_boxed_slice(),
+        scales,
+    }
 }
 
 /// What every kernel call of a product shares.
@@ -544,6 +593,17 @@ unsafe fn scales_512(s: &TileScales<'_>, g0: usize, groups: usize) -> [__m512; 1
             out[0] = unsafe { _mm512_loadu_ps(v.as_ptr()) };
             out
         }
+        TileScales::Tiled { half, k } => {
+            // a vector a group already: 16 f16s, one a row, converted exactly
+            let kv = _mm512_set1_ps(*k);
+            let mut out = [_mm512_setzero_ps(); 16];
+            for (j, v) in out.iter_mut().enumerate().take(groups - g0) {
+                // SAFETY: group g0 + j < groups, whose 16 scales `half` holds (caller)
+                let h = unsafe { _mm256_loadu_si256(half.as_ptr().add((g0 + j) * ROWS).cast()) };
+                *v = _mm512_mul_ps(_mm512_cvtph_ps(h), kv);
+            }
+            out
+        }
     }
 }
 
@@ -633,6 +693,16 @@ unsafe fn scales_256(s: &TileScales<'_>, g0: usize, groups: usize, half: usize) 
             out[0] = unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * half)) };
             out
         }
+        // (the tiled layout is the AVX-512 tier's; this is only the definition's value)
+        TileScales::Tiled { .. } => {
+            let mut out = [_mm256_setzero_ps(); 8];
+            for (j, v) in out.iter_mut().enumerate().take(groups - g0) {
+                let lanes: [f32; 8] = std::array::from_fn(|r| s.get(8 * half + r, g0 + j));
+                // SAFETY: 8 f32
+                *v = unsafe { _mm256_loadu_ps(lanes.as_ptr()) };
+            }
+            out
+        }
     }
 }
 
@@ -674,7 +744,7 @@ unsafe fn transpose_add_16(p: &[__m512i; ROWS]) -> [__m512i; 4] {
 /// AVX-512 F, BW, VL and VNNI and FMA present; `xs` holds `blocks.div_ceil(4)` chunks of
 /// 128 bytes a row and `blocks` steps and biases; every row's scales are in `scales`;
 /// `shape.per` is 4 and `shape.gblocks > 0`; when `TILED`, `codes` are in the tiled
-/// layout (chunk `h` of a row at `ROWS · 64 · h`, see [`tile_codes`]) and every row
+/// layout (chunk `h` of a row at `ROWS · 64 · h`, see [`tile`]) and every row
 /// holds `(blocks.div_ceil(4) - 1) · ROWS · 64 + 64` bytes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn tile_avx512<const N: usize, const TILED: bool>(
@@ -1038,7 +1108,7 @@ mod tests {
     use super::super::tiles::tests::xorshift;
     use super::*;
 
-    /// The tiled layout ([`tile_codes`]) gives the storage layout's bits: on the AVX-512
+    /// The tiled layout ([`tile`]: codes, and f16 group scales) gives the storage layout's bits: on the AVX-512
     /// tier ([`run`] with and without it, 1 to 7 rows of `x`, a part chunk and a part tile,
     /// every 4-bit format with its own tables and minimums), and through the plain-Rust
     /// definition (which [`dots`] falls back to) on every tier.
@@ -1069,10 +1139,20 @@ mod tests {
             let q = quantize(&w, rows, cols, format).unwrap();
             let kp = cols.div_ceil(BLOCK) * BLOCK;
             let view = RowsView::new(&q, kp);
-            let tiled = tile_codes(&view, rows);
+            let tiled = tile(&view, rows);
             assert_eq!(
-                tiled.len(),
+                tiled.codes.len(),
                 rows.div_ceil(ROWS) * view.row_bytes.div_ceil(64) * ROWS * 64
+            );
+            // the blockwise formats' scales come too (they are f16s), the per-row ones not
+            let per_row = match view.rule {
+                ScaleRule::Groups { per_row, .. } => per_row,
+                ScaleRule::Row { .. } => 0,
+            };
+            assert_eq!(
+                tiled.scales.as_ref().map(|h| h.len()),
+                (per_row > 0).then_some(rows.div_ceil(ROWS) * per_row * ROWS),
+                "{format:?}"
             );
             let mins = matches!(format, Format::Int4Block(_)).then(|| q.mins());
             for &kind in kinds.iter().filter(|k| matches!(k, Kind::Avx512(_))) {
@@ -1100,14 +1180,19 @@ mod tests {
             let panel = Panel::new(&x, MAX_BATCH, cols, true, 1);
             let blocks = panel.blocks();
             let gblocks = group_blocks(&view, blocks);
-            let body = &tiled[..];
+            let body = &tiled.codes[..];
             let span = view.row_bytes.div_ceil(64) * ROWS * 64;
             let lut = view.lut.unwrap();
             for &kind in &kinds {
                 let mut shape = Shape::new(kind, lut, blocks, gblocks, view.row_bytes);
                 for first in [0, ROWS, 2 * ROWS] {
                     let n = (rows - first).min(ROWS);
-                    let scales = TileScales::new(&view, first, n);
+                    let scales = TileScales::new(&view, first, n, None);
+                    let half = tiled.scales.as_deref().map(|h| {
+                        let span = per_row * ROWS;
+                        &h[first / ROWS * span..(first / ROWS + 1) * span]
+                    });
+                    let tiled_scales = TileScales::new(&view, first, n, half);
                     let codes: [&[u8]; ROWS] =
                         std::array::from_fn(|r| view.codes_of(first + if r < n { r } else { 0 }));
                     let tile = &body[first / ROWS * span..(first / ROWS + 1) * span];
@@ -1115,7 +1200,7 @@ mod tests {
                     shape.stride = 64;
                     let want = reference::<3>(&shape, &codes, &panel, 1, &scales);
                     shape.stride = ROWS * 64;
-                    let got = reference::<3>(&shape, &in_tiles, &panel, 1, &scales);
+                    let got = reference::<3>(&shape, &in_tiles, &panel, 1, &tiled_scales);
                     for k in 0..3 {
                         assert_eq!(
                             bits(&got[k][..n]),
@@ -1175,7 +1260,7 @@ mod tests {
                     .collect();
                 for first in [0, ROWS] {
                     let n = (rows - first).min(ROWS);
-                    let scales = TileScales::new(&view, first, n);
+                    let scales = TileScales::new(&view, first, n, None);
                     let codes: [&[u8]; ROWS] =
                         std::array::from_fn(|r| view.codes_of(first + if r < n { r } else { 0 }));
                     let bits = |v: &[[f32; ROWS]]| -> Vec<u32> {
