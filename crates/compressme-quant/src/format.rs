@@ -308,6 +308,8 @@ pub(crate) struct Tiled {
     /// The group scales as f16 bits, for tile `t`, group `g` and row `r` at `(t · groups +
     /// g) · 16 + r`; `None` for the per-row formats and where a scale is not exactly an f16.
     pub(crate) scales: Option<Box<[u16]>>,
+    /// `Int4Block`'s minimums as f32, in the scales' order; `None` for other formats.
+    pub(crate) mins: Option<Box<[f32]>>,
 }
 
 impl Layouts {
@@ -317,6 +319,7 @@ impl Layouts {
             t.codes
                 .len()
                 .saturating_add(t.scales.as_ref().map_or(0, |s| s.len().saturating_mul(2)))
+                .saturating_add(t.mins.as_ref().map_or(0, |m| m.len().saturating_mul(4)))
         })
     }
 }

@@ -1162,9 +1162,11 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
         let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
         if batch <= rows8::MAX_BATCH {
             let tiled = match kind {
-                tiles::Kind::Avx512(_) if repack() => {
-                    Some(w.layouts.tiled.get_or_init(|| rows8::tile(&view, w.rows())))
-                }
+                tiles::Kind::Avx512(_) if repack() => Some(
+                    w.layouts
+                        .tiled
+                        .get_or_init(|| rows8::tile(&view, w.rows(), mins)),
+                ),
                 _ => None,
             };
             rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, tiled);

@@ -213,6 +213,10 @@ pub(super) fn run(
     let half = tiled
         .and_then(|t| t.scales.as_deref())
         .filter(|h| scale_span > 0 && h.len() == tiles * scale_span);
+    // and `Int4Block`'s minimums, laid out as its scales
+    let tile_mins = tiled
+        .and_then(|t| t.mins.as_deref())
+        .filter(|m| mins.is_some() && scale_span > 0 && m.len() == tiles * scale_span);
     let chunked: Vec<ChunkedX> = (0..batch)
         .map(|b| ChunkedX::new(&panel, b, shape.per))
         .collect();
@@ -268,9 +272,14 @@ pub(super) fn run(
                 }
                 b0 += m;
             }
-            for r in 0..n {
-                if let Some(yr) = out.get_mut(r * batch..(r + 1) * batch) {
-                    minimums.add_terms(kind, first + r, yr);
+            match tile_mins.and_then(|m| m.get(task * scale_span..(task + 1) * scale_span)) {
+                Some(tm) => minimums.add_terms_tile(kind, tm, first, n, out),
+                None => {
+                    for r in 0..n {
+                        if let Some(yr) = out.get_mut(r * batch..(r + 1) * batch) {
+                            minimums.add_terms(kind, first + r, yr);
+                        }
+                    }
                 }
             }
         },
@@ -307,8 +316,9 @@ const TILED_AHEAD: usize = 2 * ROWS * 64;
 /// cache. A blockwise format's group scales, when every one is exactly an f16 (as the
 /// format stores them), come too, as f16 bits, a vector a group: for tile `t`, group `g`
 /// and row `r` at `(t · groups + g) · 16 + r` (half the bytes of the f32s, and no
-/// transposition).
-pub(super) fn tile(view: &RowsView<'_>, rows: usize) -> Tiled {
+/// transposition); `Int4Block`'s minimums (`mins`) likewise, as f32s, so a tile's terms
+/// are summed 16 rows a vector.
+pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Tiled {
     let chunks = view.row_bytes.div_ceil(64);
     let span = chunks * ROWS * 64;
     let tiles = rows.div_ceil(ROWS);
@@ -344,9 +354,25 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize) -> Tiled {
         }
         _ => None,
     };
+    // `Int4Block`'s minimums (one a group) as f32s in the scales' order, for
+    // [`Minimums::add_terms_tile`]
+    let mins = match (view.rule, mins) {
+        (ScaleRule::Groups { per_row, .. }, Some(m)) if m.len() == rows * per_row => {
+            let mut out = vec![0f32; tiles * per_row * ROWS];
+            for (i, o) in out.iter_mut().enumerate() {
+                let (t, g, r) = (i / (per_row * ROWS), i / ROWS % per_row, i % ROWS);
+                if let Some(&v) = m.get((t * ROWS + r) * per_row + g) {
+                    *o = v;
+                }
+            }
+            Some(out.into_boxed_slice())
+        }
+        _ => None,
+    };
     Tiled {
         codes: codes.into_boxed_slice(),
         scales,
+        mins,
     }
 }
 
@@ -1139,7 +1165,11 @@ mod tests {
             let q = quantize(&w, rows, cols, format).unwrap();
             let kp = cols.div_ceil(BLOCK) * BLOCK;
             let view = RowsView::new(&q, kp);
-            let tiled = tile(&view, rows);
+            let tiled = tile(
+                &view,
+                rows,
+                matches!(format, Format::Int4Block(_)).then(|| q.mins()),
+            );
             assert_eq!(
                 tiled.codes.len(),
                 rows.div_ceil(ROWS) * view.row_bytes.div_ceil(64) * ROWS * 64

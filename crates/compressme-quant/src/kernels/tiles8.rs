@@ -832,6 +832,58 @@ impl<'a> Minimums<'a> {
         }
     }
 
+    /// [`Minimums::add_terms`] for the 16 rows `first..first + n` of a tile at once, bit for
+    /// bit: `out` is their outputs, `[n, batch]`, and `tile` their minimums in the tiled
+    /// layout (`tile[16g + r]` row `first + r`'s of group `g`). On the AVX-512 tier the 16
+    /// rows are the lanes of [`super::avx512::add_dot_f32_columns`] (which gives each lane
+    /// [`super::avx2::dot_f32`]'s bits, and a dot's terms commute); elsewhere, or where
+    /// `tile` is short, a row at a time.
+    pub(super) fn add_terms_tile(
+        &self,
+        kind: Kind,
+        tile: &[f32],
+        first: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let (g, batch) = (self.groups, self.batch);
+        let fits = self.mins.is_some()
+            && n <= 16
+            && g.checked_mul(16).is_some_and(|need| need <= tile.len());
+        let Kind::Avx512(t) = kind else {
+            return self.add_rows(kind, first, n, out);
+        };
+        if !fits {
+            return self.add_rows(kind, first, n, out);
+        }
+        for b in 0..batch {
+            let Some(sx) = self.xsums.get(b * g..(b + 1) * g) else {
+                continue;
+            };
+            let mut lanes = [0f32; 16];
+            for (r, l) in lanes.iter_mut().enumerate().take(n) {
+                *l = out.get(r * batch + b).copied().unwrap_or(0.0);
+            }
+            super::avx512::add_dot_f32_columns(t, sx, tile, 16, &mut lanes);
+            for (r, &l) in lanes.iter().enumerate().take(n) {
+                if let Some(o) = out.get_mut(r * batch + b) {
+                    *o = l;
+                }
+            }
+        }
+    }
+
+    /// [`Minimums::add_terms`] for rows `first..first + n`, a row at a time (`out` as for
+    /// [`Minimums::add_terms_tile`]).
+    fn add_rows(&self, kind: Kind, first: usize, n: usize, out: &mut [f32]) {
+        let batch = self.batch;
+        for r in 0..n {
+            if let Some(yr) = out.get_mut(r * batch..(r + 1) * batch) {
+                self.add_terms(kind, first + r, yr);
+            }
+        }
+    }
+
     /// Adds what weight row `r`'s minimums add to its outputs, `out[b]` for `x` row `b`
     /// (`out` at most the batch long): the dot product of the row's minimums with the `x`
     /// row's group sums, [`super::avx2::dot_f32`]'s arithmetic to the bit at any batch,
