@@ -323,7 +323,8 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Ti
     let span = chunks * ROWS * 64;
     let tiles = rows.div_ceil(ROWS);
     let mut codes = vec![0u8; tiles * span];
-    for (t, tile) in codes.chunks_exact_mut(span.max(1)).enumerate() {
+    // tile `t`'s codes into `tile`
+    let fill = |t: usize, tile: &mut [u8]| {
         for h in 0..chunks {
             for r in 0..ROWS {
                 let row = view.codes_of(t * ROWS + r);
@@ -334,7 +335,21 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Ti
                 }
             }
         }
-    }
+    };
+    // on the kernels' pool, runs of whole tiles, from 1 MB of codes (about 0.7 ms on one
+    // thread: 4096 x 4096 NF4-g64's 8.4 MB took about 6 ms)
+    let threads = super::pool::threads();
+    let per_run = tiles.div_ceil(4 * threads).max(1);
+    let runs: Vec<&mut [u8]> = codes.chunks_mut((per_run * span).max(1)).collect();
+    super::pool::each(
+        threads > 1 && tiles * span >= 1 << 20,
+        runs,
+        &|i, run: &mut [u8]| {
+            for (k, tile) in run.chunks_exact_mut(span.max(1)).enumerate() {
+                fill(i * per_run + k, tile);
+            }
+        },
+    );
     let scales = match view.rule {
         ScaleRule::Groups { per_row, .. }
             if view.scales.len() == rows * per_row
@@ -1133,6 +1148,36 @@ tile_256!(
 mod tests {
     use super::super::tiles::tests::xorshift;
     use super::*;
+
+    /// A layout of 1 MB or more is built on the kernels' pool, in runs of tiles: every
+    /// chunk lands where the layout says, whichever thread wrote it.
+    #[test]
+    fn a_large_tiled_layout_has_every_chunk_in_place() {
+        use crate::{Format, GroupSize, quantize};
+        let (rows, cols) = (32 * ROWS + 3, 4096);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
+            .collect();
+        let q = quantize(&w, rows, cols, Format::Nf4Block(GroupSize::G64)).unwrap();
+        let view = RowsView::new(&q, cols);
+        let tiled = tile(&view, rows, None);
+        let chunks = view.row_bytes.div_ceil(64);
+        assert!(tiled.codes.len() >= 1 << 20);
+        for t in 0..rows.div_ceil(ROWS) {
+            for h in 0..chunks {
+                for r in 0..ROWS {
+                    let at = ((t * chunks + h) * ROWS + r) * 64;
+                    let row = view.codes_of(t * ROWS + r);
+                    let want = row.get(64 * h..64 * h + 64).unwrap_or(&[0; 64]);
+                    assert_eq!(
+                        &tiled.codes[at..at + 64],
+                        want,
+                        "tile {t} chunk {h} row {r}"
+                    );
+                }
+            }
+        }
+    }
 
     /// The tiled layout ([`tile`]: codes, and f16 group scales) gives the storage layout's bits: on the AVX-512
     /// tier ([`run`] with and without it, 1 to 7 rows of `x`, a part chunk and a part tile,
