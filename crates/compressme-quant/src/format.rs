@@ -293,13 +293,13 @@ pub struct Packed {
 /// built), and counted by [`Packed::layout_bytes`].
 #[derive(Clone, Default)]
 pub(crate) struct Layouts {
-    /// A 4-bit format's codes (and group scales) a tile of 16 rows at a time, for the
-    /// AVX-512 kernel of batches of 1 to 7 (`kernels::rows8`).
+    /// A 4-bit format's codes (and group scales and minimums) a tile of 16 rows at a time,
+    /// for the AVX-512 kernel of batches of 1 to 7 (`kernels::rows8`).
     pub(crate) tiled: std::sync::OnceLock<Tiled>,
 }
 
-/// A matrix's codes and group scales a tile of 16 rows at a time (`kernels::rows8`'s
-/// `tile`).
+/// A matrix's codes, group scales and minimums a tile of 16 rows at a time
+/// (`kernels::rows8`'s `tile`).
 #[derive(Clone)]
 pub(crate) struct Tiled {
     /// For tile `t`, chunk `h` (64 bytes of a row) and row `r`: `((t · chunks + h) · 16 + r)
@@ -793,8 +793,9 @@ impl Packed {
     /// beyond [`Packed::stored_bytes`]: 0 until a product builds one. Today one: on a CPU
     /// whose best tier is AVX-512 VNNI, the first product of a 4-bit matrix at a batch of 1
     /// to 7 copies its codes a tile of 16 rows at a time (one stream for the kernel to
-    /// read instead of sixteen), as many bytes as the codes; `COMPRESSME_REPACK=0` turns
-    /// it off. The outputs are the same bits either way.
+    /// read instead of sixteen): as many bytes as the codes, plus a blockwise format's
+    /// scales at their stored f16 width and `Int4Block`'s minimums as f32;
+    /// `COMPRESSME_REPACK=0` turns it off. The outputs are the same bits either way.
     #[must_use]
     pub fn layout_bytes(&self) -> usize {
         self.layouts.bytes()

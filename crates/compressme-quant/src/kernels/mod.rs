@@ -252,9 +252,9 @@ impl Activations {
     }
 }
 
-/// Whether the AVX-512 tier may copy a 4-bit matrix's codes into its tiled layout on
-/// first use (see [`Packed::layout_bytes`]): unless `COMPRESSME_REPACK` is `0` (read once
-/// a process).
+/// Whether the kernels may build in-memory layouts of a matrix (today `rows8`'s tiled
+/// layout, see [`Packed::layout_bytes`]): unless `COMPRESSME_REPACK` is `0` (read once a
+/// process).
 #[cfg(target_arch = "x86_64")]
 fn repack() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -1161,15 +1161,8 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
         // INT4's minimums, one a group of each row
         let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
         if batch <= rows8::MAX_BATCH {
-            let tiled = match kind {
-                tiles::Kind::Avx512(_) if repack() => Some(
-                    w.layouts
-                        .tiled
-                        .get_or_init(|| rows8::tile(&view, w.rows(), mins)),
-                ),
-                _ => None,
-            };
-            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, tiled);
+            let layouts = repack().then_some(&w.layouts);
+            rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, layouts);
         } else {
             tiles8::run(kind, x, batch, &view, cols, w.rows(), yt, mins);
         }

@@ -51,7 +51,7 @@ use std::arch::x86_64::{
 use super::tiles::{Kind, ROWS};
 use super::tiles8::{Codes, Minimums, Panel, group_blocks, quads_avxvnni};
 use super::{RowsView, ScaleRule};
-use crate::format::Tiled;
+use crate::format::{Layouts, Tiled};
 
 /// Columns of `x` that share one 8-bit step.
 const BLOCK: usize = super::BLOCK8;
@@ -173,7 +173,8 @@ impl<'a> TileScales<'a> {
 
 /// The whole product for `batch <= MAX_BATCH` rows of finite `x`: `yt` is `[rows, batch]`;
 /// the same outputs, bit for bit, as [`super::tiles8::run`] gives each row of `x` (see
-/// there for `mins`).
+/// there for `mins`). `layouts` is the matrix's, where it may keep a tiled layout: the
+/// AVX-512 tier builds one there on its first product ([`tile`]) and reads it after.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     kind: Kind,
@@ -184,7 +185,7 @@ pub(super) fn run(
     rows: usize,
     yt: &mut [f32],
     mins: Option<&[f32]>,
-    tiled: Option<&Tiled>,
+    layouts: Option<&Layouts>,
 ) {
     let Some(lut) = view.lut else {
         return;
@@ -193,15 +194,15 @@ pub(super) fn run(
     let blocks = panel.blocks();
     let gblocks = group_blocks(view, blocks);
     let mut shape = Shape::new(kind, lut, blocks, gblocks, view.row_bytes);
-    // the tiled layout ([`tile`]), where it is this product's: the AVX-512 tier's
-    // chunks, a whole tile for every task
+    // the tiled layout ([`tile`]), the AVX-512 tier's: its chunks, a whole tile for every
+    // task
     let span = view.row_bytes.div_ceil(64) * ROWS * 64;
     let tiles = rows.div_ceil(ROWS);
-    let tiled = tiled.filter(|t| {
-        matches!(kind, Kind::Avx512(_))
-            && view.row_bytes.div_ceil(64) == blocks.div_ceil(4)
-            && t.codes.len() == tiles * span
-    });
+    let tiled = match kind {
+        Kind::Avx512(_) => layouts.map(|l| l.tiled.get_or_init(|| tile(view, rows, mins))),
+        Kind::AvxVnni(_) | Kind::Avx2(_) => None,
+    }
+    .filter(|t| view.row_bytes.div_ceil(64) == blocks.div_ceil(4) && t.codes.len() == tiles * span);
     if tiled.is_some() {
         shape.stride = ROWS * 64;
     }
@@ -212,11 +213,11 @@ pub(super) fn run(
     };
     let half = tiled
         .and_then(|t| t.scales.as_deref())
-        .filter(|h| scale_span > 0 && h.len() == tiles * scale_span);
+        .filter(|h| h.len() == tiles * scale_span);
     // and `Int4Block`'s minimums, laid out as its scales
     let tile_mins = tiled
         .and_then(|t| t.mins.as_deref())
-        .filter(|m| mins.is_some() && scale_span > 0 && m.len() == tiles * scale_span);
+        .filter(|m| m.len() == tiles * scale_span);
     let chunked: Vec<ChunkedX> = (0..batch)
         .map(|b| ChunkedX::new(&panel, b, shape.per))
         .collect();
@@ -274,13 +275,7 @@ pub(super) fn run(
             }
             match tile_mins.and_then(|m| m.get(task * scale_span..(task + 1) * scale_span)) {
                 Some(tm) => minimums.add_terms_tile(kind, tm, first, n, out),
-                None => {
-                    for r in 0..n {
-                        if let Some(yr) = out.get_mut(r * batch..(r + 1) * batch) {
-                            minimums.add_terms(kind, first + r, yr);
-                        }
-                    }
-                }
+                None => minimums.add_rows(kind, first, n, out),
             }
         },
     );
@@ -350,45 +345,46 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Ti
             }
         },
     );
-    let scales = match view.rule {
-        ScaleRule::Groups { per_row, .. }
-            if view.scales.len() == rows * per_row
-                && view
-                    .scales
-                    .iter()
-                    .all(|&v| half::f16::from_f32(v).to_f32().to_bits() == v.to_bits()) =>
-        {
-            let mut out = vec![0u16; tiles * per_row * ROWS];
-            for (i, o) in out.iter_mut().enumerate() {
-                let (t, g, r) = (i / (per_row * ROWS), i / ROWS % per_row, i % ROWS);
-                if let Some(&v) = view.scales.get((t * ROWS + r) * per_row + g) {
-                    *o = half::f16::from_f32(v).to_bits();
-                }
-            }
-            Some(out.into_boxed_slice())
+    let (scales, mins) = match view.rule {
+        ScaleRule::Groups { per_row, .. } => {
+            let exact = |v: &f32| half::f16::from_f32(*v).to_f32().to_bits() == v.to_bits();
+            (
+                Some(view.scales)
+                    .filter(|s| s.iter().all(exact))
+                    .and_then(|s| by_tile(s, rows, per_row, |v| half::f16::from_f32(v).to_bits())),
+                // `Int4Block`'s minimums, for [`Minimums::add_terms_tile`]
+                mins.and_then(|m| by_tile(m, rows, per_row, |v| v)),
+            )
         }
-        _ => None,
-    };
-    // `Int4Block`'s minimums (one a group) as f32s in the scales' order, for
-    // [`Minimums::add_terms_tile`]
-    let mins = match (view.rule, mins) {
-        (ScaleRule::Groups { per_row, .. }, Some(m)) if m.len() == rows * per_row => {
-            let mut out = vec![0f32; tiles * per_row * ROWS];
-            for (i, o) in out.iter_mut().enumerate() {
-                let (t, g, r) = (i / (per_row * ROWS), i / ROWS % per_row, i % ROWS);
-                if let Some(&v) = m.get((t * ROWS + r) * per_row + g) {
-                    *o = v;
-                }
-            }
-            Some(out.into_boxed_slice())
-        }
-        _ => None,
+        ScaleRule::Row { .. } => (None, None),
     };
     Tiled {
         codes: codes.into_boxed_slice(),
         scales,
         mins,
     }
+}
+
+/// `all`, `rows` rows of `per_row` values, regrouped a tile at a time, a vector a group:
+/// row `16t + r`'s value `g` at `(t · per_row + g) · 16 + r`, through `f` (zeros for rows
+/// past the matrix); `None` where `all` is not that long.
+fn by_tile<T: Copy, U: Copy + Default>(
+    all: &[T],
+    rows: usize,
+    per_row: usize,
+    f: impl Fn(T) -> U,
+) -> Option<Box<[U]>> {
+    if all.len() != rows.checked_mul(per_row)? {
+        return None;
+    }
+    let mut out = vec![U::default(); rows.div_ceil(ROWS) * per_row * ROWS];
+    for (i, o) in out.iter_mut().enumerate() {
+        let (t, g, r) = (i / (per_row * ROWS), i / ROWS % per_row, i % ROWS);
+        if let Some(&v) = all.get((t * ROWS + r) * per_row + g) {
+            *o = f(v);
+        }
+    }
+    Some(out.into_boxed_slice())
 }
 
 /// What every kernel call of a product shares.
@@ -1146,7 +1142,7 @@ tile_256!(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tiles::tests::xorshift;
+    use super::super::tiles::tests::{values, xorshift};
     use super::*;
 
     /// A layout of 1 MB or more is built on the kernels' pool, in runs of tiles: every
@@ -1190,16 +1186,8 @@ mod tests {
             super::super::tiles::tests::kinds("the_tiled_layout_gives_the_storage_layouts_bits");
         let mut next = xorshift(0x1234_5679);
         let (rows, cols) = (2 * ROWS + 5, 9 * BLOCK - 5);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-            .collect();
-        let x: Vec<f32> = (0..MAX_BATCH * cols)
-            .map(|_| match next() % 9 {
-                0 => 3.5,
-                1 => -3.5,
-                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
-            })
-            .collect();
+        let w = values(&mut next, rows * cols, 7, 2.0);
+        let x = values(&mut next, MAX_BATCH * cols, 9, 3.5);
         let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|f| f.to_bits()).collect() };
         for format in [
             Format::Nf4,
@@ -1210,11 +1198,9 @@ mod tests {
             let q = quantize(&w, rows, cols, format).unwrap();
             let kp = cols.div_ceil(BLOCK) * BLOCK;
             let view = RowsView::new(&q, kp);
-            let tiled = tile(
-                &view,
-                rows,
-                matches!(format, Format::Int4Block(_)).then(|| q.mins()),
-            );
+            // INT4's minimums (the other formats have none)
+            let mins = Some(q.mins()).filter(|m| !m.is_empty());
+            let tiled = tile(&view, rows, mins);
             assert_eq!(
                 tiled.codes.len(),
                 rows.div_ceil(ROWS) * view.row_bytes.div_ceil(64) * ROWS * 64
@@ -1229,8 +1215,12 @@ mod tests {
                 (per_row > 0).then_some(rows.div_ceil(ROWS) * per_row * ROWS),
                 "{format:?}"
             );
-            let mins = matches!(format, Format::Int4Block(_)).then(|| q.mins());
-            for &kind in kinds.iter().filter(|k| matches!(k, Kind::Avx512(_))) {
+            for &kind in &kinds {
+                let Kind::Avx512(_) = kind else {
+                    continue;
+                };
+                // the layout `run` builds on its first product and reads after
+                let layouts = Layouts::default();
                 for batch in 1..=MAX_BATCH {
                     let xb = &x[..batch * cols];
                     let mut plain = vec![0f32; rows * batch];
@@ -1245,11 +1235,13 @@ mod tests {
                         rows,
                         &mut tile,
                         mins,
-                        Some(&tiled),
+                        Some(&layouts),
                     );
                     assert_eq!(bits(&tile), bits(&plain), "{format:?} batch {batch}");
                     assert!(plain.iter().any(|&v| v != 0.0), "{format:?} batch {batch}");
                 }
+                let built = layouts.tiled.get().map(|t| t.codes.clone());
+                assert_eq!(built, Some(tiled.codes.clone()), "{format:?}");
             }
             // the definition, reading either layout
             let panel = Panel::new(&x, MAX_BATCH, cols, true, 1);
@@ -1297,20 +1289,8 @@ mod tests {
         let kinds = super::super::tiles::tests::kinds("simd_rows8_give_the_reference_bits");
         let mut next = xorshift(0x2545_f491);
         let (rows, cols) = (ROWS + 3, 9 * BLOCK - 5);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|_| match next() % 7 {
-                0 => 2.0,
-                1 => -2.0,
-                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
-            })
-            .collect();
-        let x: Vec<f32> = (0..XR * cols)
-            .map(|_| match next() % 6 {
-                0 => 3.5,
-                1 => -3.5,
-                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
-            })
-            .collect();
+        let w = values(&mut next, rows * cols, 7, 2.0);
+        let x = values(&mut next, XR * cols, 6, 3.5);
         for format in [
             Format::Nf4,
             Format::Nf4Block(GroupSize::G32),

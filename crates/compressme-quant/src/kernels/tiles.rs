@@ -557,6 +557,23 @@ pub(super) mod tests {
         kinds
     }
 
+    /// `n` test values from `next`: `±extreme` one draw in `one_in` each, otherwise a
+    /// multiple of 0.001 in `[-1, 1]` (a second draw).
+    pub(in super::super) fn values(
+        next: &mut impl FnMut() -> u32,
+        n: usize,
+        one_in: u32,
+        extreme: f32,
+    ) -> Vec<f32> {
+        (0..n)
+            .map(|_| match next() % one_in {
+                0 => extreme,
+                1 => -extreme,
+                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
+            })
+            .collect()
+    }
+
     /// A xorshift stream: the tests' fixed pseudo-random values.
     pub(in super::super) fn xorshift(mut seed: u32) -> impl FnMut() -> u32 {
         move || {

@@ -850,12 +850,9 @@ impl<'a> Minimums<'a> {
         let fits = self.mins.is_some()
             && n <= 16
             && g.checked_mul(16).is_some_and(|need| need <= tile.len());
-        let Kind::Avx512(t) = kind else {
+        let (Kind::Avx512(t), true) = (kind, fits) else {
             return self.add_rows(kind, first, n, out);
         };
-        if !fits {
-            return self.add_rows(kind, first, n, out);
-        }
         for b in 0..batch {
             let Some(sx) = self.xsums.get(b * g..(b + 1) * g) else {
                 continue;
@@ -875,7 +872,7 @@ impl<'a> Minimums<'a> {
 
     /// [`Minimums::add_terms`] for rows `first..first + n`, a row at a time (`out` as for
     /// [`Minimums::add_terms_tile`]).
-    fn add_rows(&self, kind: Kind, first: usize, n: usize, out: &mut [f32]) {
+    pub(super) fn add_rows(&self, kind: Kind, first: usize, n: usize, out: &mut [f32]) {
         let batch = self.batch;
         for r in 0..n {
             if let Some(yr) = out.get_mut(r * batch..(r + 1) * batch) {
@@ -981,7 +978,7 @@ pub(super) fn run(
 #[cfg(test)]
 mod tests {
     use super::super::nibble_slot;
-    use super::super::tiles::tests::{kinds, xorshift};
+    use super::super::tiles::tests::{kinds, values, xorshift};
     use super::*;
 
     /// The AVX2 rounding of a block gives the scalar rounding's bytes, in both orders, on
@@ -1038,13 +1035,7 @@ mod tests {
         let mut next = xorshift(0x9e37_79b9);
         let cols = 5 * BLOCK - 7;
         let batch = 21;
-        let x: Vec<f32> = (0..batch * cols)
-            .map(|_| match next() % 6 {
-                0 => 3.5,
-                1 => -3.5,
-                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
-            })
-            .collect();
+        let x = values(&mut next, batch * cols, 6, 3.5);
         let unbiased: Vec<i8> = (0..ROWS * 5 * BLOCK)
             .map(|_| match next() % 5 {
                 0 => -128,
