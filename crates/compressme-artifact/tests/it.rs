@@ -1095,3 +1095,29 @@ fn frozen_rans_fixture() {
     assert_eq!(v2, 2);
     std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
 }
+
+#[test]
+fn large_writes_are_whole_and_in_place() {
+    // writes go to the kernel in pieces (`WRITE_CHUNK`, 256 KiB): appends and positioned
+    // writes of several pieces and a part piece land byte for byte where they belong
+    let d = tmp("chunks");
+    let dest = d.join("out.bin");
+    let a = weights(700_001, 3); // 2.8 MB: ten pieces and a part one
+    let b = weights(300_000, 4);
+    let mut f = compressme_artifact::AtomicFile::create(&dest).unwrap();
+    f.write_all(&a[..5]).unwrap();
+    f.write_all(&a[5..]).unwrap();
+    // past the end (the file grows), then over the middle of what was appended
+    let end = a.len() as u64;
+    f.write_all_at(end + 3, &b).unwrap();
+    f.write_all_at(1_000_003, &b).unwrap();
+    f.commit().unwrap();
+    let got = std::fs::read(&dest).unwrap();
+    let mut want = a.clone();
+    want.extend_from_slice(&[0, 0, 0]);
+    want.extend_from_slice(&b);
+    want[1_000_003..1_000_003 + b.len()].copy_from_slice(&b);
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "the file differs from what was written");
+    std::fs::remove_dir_all(&d).unwrap();
+}

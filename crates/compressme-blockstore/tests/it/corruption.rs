@@ -290,3 +290,46 @@ fn rans_store_corruption_is_an_error_not_a_panic() {
         "{unchecked} flips undetected"
     );
 }
+
+#[test]
+fn verify_blocks_names_the_lowest_failing_block_of_its_range() {
+    // 37 blocks of 2 rows: nine groups of four digests and one of one
+    let data = weights_f32(74, 8, 5);
+    let s = store(&data, 74, 32, ValueKind::F32, 2, Coder::default());
+    assert_eq!(s.num_blocks(), 37);
+    let bytes = s.to_bytes();
+    let (digests, payload) = regions(&bytes, 4, 37);
+    let mut starts = vec![payload];
+    for b in 0..37 {
+        let p = digests - 4 * 37 + 4 * b;
+        let len = u32::from_le_bytes(bytes[p..p + 4].try_into().unwrap()) as usize;
+        starts.push(starts[b] + len);
+    }
+    // two bad blocks: in one group of four, in neighbouring groups, far apart, the last
+    // block alone, block 0
+    for bad in [[5usize, 6], [4, 7], [3, 4], [9, 30], [36, 36], [0, 13]] {
+        let mut flipped = bytes.clone();
+        flipped[starts[bad[0]]] ^= 1;
+        if bad[1] != bad[0] {
+            flipped[starts[bad[1]]] ^= 1;
+        }
+        // read in place: loading checks the index digest only
+        let st = BlockStore::from_shared(std::sync::Arc::new(flipped)).unwrap();
+        let (lo, hi) = (bad[0].min(bad[1]), bad[0].max(bad[1]));
+        let named = |r: Result<(), Error>| match r {
+            Err(Error::ChecksumMismatch { block, .. }) => Some(block),
+            Ok(()) => None,
+            Err(e) => panic!("{bad:?}: {e}"),
+        };
+        assert_eq!(named(st.verify_all()), Some(lo), "{bad:?}");
+        assert_eq!(named(st.verify_blocks(0..lo)), None, "{bad:?}");
+        assert_eq!(named(st.verify_blocks(lo..37)), Some(lo), "{bad:?}");
+        let after = (hi > lo).then_some(hi);
+        assert_eq!(named(st.verify_blocks(lo + 1..37)), after, "{bad:?}");
+        assert_eq!(named(st.verify_blocks(hi + 1..37)), None, "{bad:?}");
+    }
+    // a range past the last block is an error, not a pass
+    assert!(s.verify_blocks(30..38).is_err());
+    s.verify_blocks(0..37).unwrap();
+    s.verify_blocks(5..5).unwrap();
+}
