@@ -700,11 +700,11 @@ fn remove_stale(dest: &Path, name: &str) {
     }
 }
 
-/// The most bytes one `write` call hands the kernel. Linux 6.x gives ext4 writes of 2 MiB
-/// and more large folios, which a virtual machine can be slow to back: on the 2-vCPU
-/// development VM (Linux 6.18), `dd` of 4 GiB took 5.0-11.7 s in 2 and 4 MiB writes and
-/// 1.1-2.1 s in 128 KiB to 1 MiB writes, and `unpack` of the 4 GiB checkpoint spent 55% of
-/// its samples copying 4 MiB pieces into the page cache. zstd writes 32 KiB at a time.
+/// The most bytes one `write` call hands the kernel. On the 2-vCPU development VM (Linux
+/// 6.18, ext4) `dd` of 4 GiB took 5.0-11.7 s in 2 and 4 MiB writes and 1.1-2.1 s in 128 KiB
+/// to 1 MiB writes (likely the large page-cache folios the kernel gives large writes, which
+/// the VM is slow to back), and `unpack` of the 4 GiB checkpoint spent 55% of its samples
+/// copying 4 MiB pieces into the page cache. zstd writes 32 KiB at a time.
 pub(crate) const WRITE_CHUNK: usize = 256 << 10;
 
 /// A file written beside its destination and renamed into place only when complete; it
