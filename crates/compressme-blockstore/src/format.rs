@@ -459,18 +459,22 @@ impl BlockStore {
     /// [`Error::ChecksumMismatch`] naming the block and both digests.
     pub fn verify_block(&self, block: usize) -> Result<()> {
         let bytes = self.block_bytes(block)?;
-        let actual: [u8; 32] = Sha256::digest(bytes).into();
+        self.check_digest(block, &Sha256::digest(bytes).into())
+    }
+
+    /// `actual` against block `block`'s recorded digest.
+    fn check_digest(&self, block: usize, actual: &[u8; 32]) -> Result<()> {
         let expected = self
             .digests
             .get(block)
             .ok_or_else(|| Error::Malformed(format!("block {block} has no digest")))?;
-        if &actual == expected {
+        if actual == expected {
             Ok(())
         } else {
             Err(Error::ChecksumMismatch {
                 block,
                 expected: hex(expected),
-                actual: hex(&actual),
+                actual: hex(actual),
             })
         }
     }
@@ -504,31 +508,19 @@ impl BlockStore {
     /// Checks `blocks` (at most four) against their digests, hashed at once; the errors in
     /// block order.
     fn verify_four(&self, blocks: std::ops::Range<usize>) -> Vec<Error> {
-        let mut errors = Vec::new();
-        let mut bytes = Vec::with_capacity(4);
-        for b in blocks.clone() {
-            match self.block_bytes(b) {
-                Ok(x) => bytes.push((b, x)),
-                Err(e) => errors.push(e),
-            }
-        }
-        let msgs: Vec<&[u8]> = bytes.iter().map(|&(_, x)| x).collect();
-        for ((b, _), actual) in bytes.iter().zip(crate::digest::sha256_many(&msgs)) {
-            match self.digests.get(*b) {
-                Some(expected) if *expected == actual => {}
-                Some(expected) => errors.push(Error::ChecksumMismatch {
-                    block: *b,
-                    expected: hex(expected),
-                    actual: hex(&actual),
-                }),
-                None => errors.push(Error::Malformed(format!("block {b} has no digest"))),
-            }
-        }
-        errors.sort_by_key(|e| match e {
-            Error::ChecksumMismatch { block, .. } | Error::BadBlock { block, .. } => *block,
-            _ => 0,
-        });
-        errors
+        let bytes: Vec<Result<&[u8]>> = blocks.clone().map(|b| self.block_bytes(b)).collect();
+        let found: Vec<&[u8]> = bytes
+            .iter()
+            .filter_map(|r| r.as_ref().ok().copied())
+            .collect();
+        let mut digests = crate::digest::sha256_many(&found).into_iter();
+        blocks
+            .zip(bytes)
+            .filter_map(|(b, r)| match r {
+                Err(e) => Some(e),
+                Ok(_) => digests.next().and_then(|d| self.check_digest(b, &d).err()),
+            })
+            .collect()
     }
 
     /// Flips one payload byte (tests and corruption drills only).

@@ -371,11 +371,12 @@ impl BlockStore {
     }
 
     /// Stops checking block digests when blocks are decoded, even for a store read in
-    /// place ([`BlockStore::from_shared`]), for a caller that checks everything it
-    /// decodes against a digest of its own (`unpack` and the whole-tensor SHA-256): the
-    /// decoder refuses malformed blocks with an error whatever their bytes (it is fuzzed
-    /// for that), so what is lost is only the name of the block a corruption sits in,
-    /// which `verify` gives.
+    /// place ([`BlockStore::from_shared`]), for a caller that checks the blocks itself
+    /// before decoding them ([`BlockStore::verify_blocks`], as `verify` does) or checks
+    /// everything it decodes against a digest of its own (`unpack` and the whole-tensor
+    /// SHA-256): the decoder refuses malformed blocks with an error whatever their bytes
+    /// (it is fuzzed for that), so what is lost is only the name of the block a
+    /// corruption sits in, which `verify` gives.
     pub fn skip_block_digests(&mut self) {
         self.lazy = false;
         self.verify_on_decode = false;
