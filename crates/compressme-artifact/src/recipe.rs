@@ -80,7 +80,8 @@ pub enum StorageRecipe {
         rows: u64,
         /// Bytes a row.
         row_bytes: u64,
-        /// `huffman` or `zstd-LEVEL`.
+        /// `huffman`, `mixed`, `rans` or `zstd-LEVEL`: how it was written (a decoder needs
+        /// only the block store).
         coder: String,
         /// Whether coded planes carry a per-row index.
         row_index: bool,

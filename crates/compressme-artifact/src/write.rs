@@ -764,6 +764,7 @@ fn lossless_recipe(
         coder: match coder {
             Coder::Zstd { level } => format!("zstd-{level}"),
             Coder::SharedRans { .. } => "rans".into(),
+            Coder::Mixed { .. } => "mixed".into(),
             _ => "huffman".into(),
         },
         row_index,

@@ -349,6 +349,50 @@ fn best_table(tables: &[CodeLengths], h: &Histogram) -> (usize, u64) {
         .unwrap_or((0, u64::MAX))
 }
 
+/// Whether no table can pay for a plane with these block histograms: no block's entropy
+/// (which no code beats) fits in `max_coded_fraction` of its bytes, and, where rANS tables
+/// are allowed (`min_gain`), the plane's entropy is not `min_gain` below its raw bytes.
+/// Such a plane is stored raw without clustering tables for it (near-uniform mantissa
+/// planes: most of the clustering time of a checkpoint, for nothing).
+fn hopeless(hists: &[&Histogram], max_coded_fraction: f64, min_gain: Option<f64>) -> bool {
+    let raw = |h: &Histogram| h.iter().map(|&c| f64::from(c)).sum::<f64>();
+    let huffman_may = hists
+        .iter()
+        .any(|h| entropy_bits(h) / 8.0 < (raw(h) * max_coded_fraction).floor());
+    let rans_may = min_gain.is_some_and(|g| {
+        let (bits, bytes) = hists
+            .iter()
+            .fold((0.0, 0.0), |(b, n), h| (b + entropy_bits(h), n + raw(h)));
+        bits / 8.0 < bytes * (1.0 - g)
+    });
+    !huffman_may && !rans_may
+}
+
+/// Drops the Huffman tables of plane `k` that no block will be coded with (each block takes
+/// its cheapest table when that fits the coded-fraction budget, as `encode_block` does), so
+/// a store does not carry 128 bytes for a table nothing reads. Each block's choice is the
+/// same after the drop: its cheapest table is kept, and the kept tables keep their order.
+fn keep_used(tables: &mut Vec<CodeLengths>, stats: &[BlockStats], k: usize, fraction: f64) {
+    let mut used = vec![false; tables.len()];
+    for b in stats {
+        if b.constant.get(k).copied().unwrap_or(true) {
+            continue;
+        }
+        if let Some(h) = b.hists.get(k) {
+            let n: u64 = h.iter().map(|&c| u64::from(c)).sum();
+            let budget = (n as f64 * fraction).floor() as u64;
+            let (t, bits) = best_table(tables, h);
+            if bits.div_ceil(8) < budget
+                && let Some(u) = used.get_mut(t)
+            {
+                *u = true;
+            }
+        }
+    }
+    let mut flags = used.into_iter();
+    tables.retain(|_| flags.next().unwrap_or(false));
+}
+
 /// Clusters block histograms into at most `k` shared code tables, keeping the count that
 /// minimises coded bits plus table bytes. Deterministic.
 fn cluster_tables(hists: &[&Histogram], k: usize, parallel: bool) -> Vec<CodeLengths> {
@@ -483,7 +527,9 @@ fn validate(data: &[u8], rows: u64, row_bytes: usize, opts: &EncodeOptions) -> R
         ));
     }
     match opts.coder {
-        Coder::SharedHuffman { max_tables } | Coder::SharedRans { max_tables }
+        Coder::SharedHuffman { max_tables }
+        | Coder::SharedRans { max_tables }
+        | Coder::Mixed { max_tables }
             if max_tables == 0 || usize::from(max_tables) > MAX_TABLES =>
         {
             bad(format!(
@@ -529,14 +575,25 @@ impl BlockStore {
                 .collect()
         };
 
+        // the least a rANS plane must save over Huffman tables or raw to be taken
+        let min_gain = match opts.coder {
+            Coder::SharedRans { .. } => Some(0.0),
+            Coder::Mixed { .. } if !opts.row_index => Some(crate::MIXED_MIN_GAIN),
+            _ => None,
+        };
         let mut tables: Vec<Vec<CodeLengths>> = match opts.coder {
-            Coder::SharedHuffman { max_tables } | Coder::SharedRans { max_tables } => {
+            Coder::SharedHuffman { max_tables }
+            | Coder::SharedRans { max_tables }
+            | Coder::Mixed { max_tables } => {
                 let plane = |k: usize| {
                     let hs: Vec<&Histogram> = stats
                         .iter()
                         .filter(|b| !b.constant.get(k).copied().unwrap_or(true))
                         .filter_map(|b| b.hists.get(k))
                         .collect();
+                    if hopeless(&hs, opts.max_coded_fraction, min_gain) {
+                        return Vec::new();
+                    }
                     // every block takes part: sampling 512 or 1024 of MiniLM's 1908 blocks
                     // sped clustering up but cost up to 0.13% of dense bytes on bf16
                     cluster_tables(&hs, usize::from(max_tables), opts.parallel)
@@ -553,10 +610,11 @@ impl BlockStore {
         // rANS tables for the planes where they store fewer bytes than the Huffman tables
         // (never with a row index: each row would carry its own states)
         let rans: Vec<Vec<Arc<rans::Table>>> = match opts.coder {
-            Coder::SharedRans { .. } if !opts.row_index => {
+            _ if !opts.row_index && min_gain.is_some() => {
                 let plane = |k: usize| {
                     let ts = tables.get(k).map_or(&[][..], Vec::as_slice);
-                    rans_tables(&stats, k, ts, opts.max_coded_fraction)
+                    let g = min_gain.unwrap_or(0.0);
+                    rans_tables(&stats, k, ts, opts.max_coded_fraction, g)
                 };
                 if opts.parallel {
                     (0..e).into_par_iter().map(plane).collect()
@@ -566,8 +624,10 @@ impl BlockStore {
             }
             _ => vec![Vec::new(); e],
         };
-        for (ts, rs) in tables.iter_mut().zip(&rans) {
-            if !rs.is_empty() {
+        for (k, (ts, rs)) in tables.iter_mut().zip(&rans).enumerate() {
+            if rs.is_empty() {
+                keep_used(ts, &stats, k, opts.max_coded_fraction);
+            } else {
                 ts.clear();
             }
         }
@@ -703,12 +763,14 @@ fn best_rans(ts: &[Arc<rans::Table>], h: &Histogram) -> Option<(usize, usize)> {
 
 /// rANS tables for plane `k`, one for each group of blocks the Huffman clustering made
 /// (each block joins the Huffman table that codes it shortest), when they store the plane
-/// in fewer bytes than the Huffman tables do, tables included; otherwise none.
+/// in at least `min_gain` (a fraction) fewer bytes than the Huffman tables do, tables
+/// included; otherwise none.
 fn rans_tables(
     stats: &[BlockStats],
     k: usize,
     huffman: &[CodeLengths],
     max_coded_fraction: f64,
+    min_gain: f64,
 ) -> Vec<Arc<rans::Table>> {
     let blocks: Vec<&Histogram> = stats
         .iter()
@@ -754,7 +816,7 @@ fn rans_tables(
     for h in &blocks {
         rans_bytes += best_rans(&tables, h).map_or(1 + raw(h), |(_, coded)| keep(h, coded, 1.0));
     }
-    if rans_bytes < huffman_bytes {
+    if (rans_bytes as f64) < huffman_bytes as f64 * (1.0 - min_gain) {
         tables
     } else {
         Vec::new()
@@ -790,7 +852,7 @@ fn encode_block(
                 }),
                 _ => None,
             },
-            Coder::SharedHuffman { .. } | Coder::SharedRans { .. } => {
+            Coder::SharedHuffman { .. } | Coder::SharedRans { .. } | Coder::Mixed { .. } => {
                 let ts = tables.get(k).map_or(&[][..], Vec::as_slice);
                 let h = b.hists.get(k);
                 match h.map(|h| best_table(ts, h)) {
@@ -836,4 +898,132 @@ fn encode_block(
         }
     }
     out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use crate::{BlockStore, EncodeOptions};
+
+    /// Weight-like f32s: a random sign, a log-uniform mantissa, and exponents 123..=126 with
+    /// probabilities 0.4, 0.3, 0.2, 0.1, which Huffman codes in 1.9 bits a symbol where
+    /// their entropy is 1.85 (as on trained weights, whose exponent planes cost Huffman
+    /// about 1.2% over rANS), so the exponent plane is worth rANS tables and the mantissa
+    /// planes, uniform, are not.
+    fn weights(n: usize) -> Vec<u8> {
+        let mut s = 7u64;
+        (0..n)
+            .flat_map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let r = s >> 32;
+                let u = (s >> 22) & 1023;
+                let exponent = match u {
+                    0..410 => 126u32,
+                    410..717 => 125,
+                    717..922 => 124,
+                    _ => 123,
+                };
+                // a mantissa spread as trained weights' are within an octave (density
+                // falling as 1 / value, Benford's): its top byte is 0.03 bits below
+                // uniform, what `SharedRans` takes and `Mixed` leaves
+                let t = ((s >> 8) & 0xff_ffff) as f64 / (1u64 << 24) as f64;
+                let mantissa = ((t.exp2() - 1.0) * f64::from(1u32 << 23)) as u32 & 0x7f_ffff;
+                let bits = ((r as u32 & 1) << 31) | (exponent << 23) | mantissa;
+                f32::from_bits(bits).to_le_bytes()
+            })
+            .collect()
+    }
+
+    fn encode(data: &[u8], coder: Coder) -> BlockStore {
+        // 64-row blocks, as `compressme pack` writes: a rANS stream's 16 bytes of states
+        // are paid once a block
+        let opts = EncodeOptions::new(ValueKind::F32)
+            .block_rows(64)
+            .coder(coder);
+        let s = BlockStore::encode(data, 512, 1024, &opts).unwrap();
+        assert_eq!(s.decode_all().unwrap(), data);
+        s
+    }
+
+    #[test]
+    fn mixed_takes_rans_for_the_exponent_plane_only() {
+        let data = weights(512 * 256);
+        let mixed = encode(&data, Coder::Mixed { max_tables: 4 });
+        // plane 3 is the top byte: the exponent's, after the sign's rotation
+        let with_rans: Vec<bool> = mixed.rans.iter().map(|r| !r.is_empty()).collect();
+        assert_eq!(with_rans, [false, false, false, true]);
+        assert!(mixed.has_rans());
+        // every plane where rANS would save anything takes it with `SharedRans`, and the
+        // mixed store sits between the two others in size
+        let rans = encode(&data, Coder::SharedRans { max_tables: 4 });
+        assert!(rans.rans.iter().filter(|r| !r.is_empty()).count() > 1);
+        let huffman = encode(&data, Coder::SharedHuffman { max_tables: 4 });
+        let total = |s: &BlockStore| s.stored_bytes().total();
+        assert!(total(&rans) < total(&mixed) && total(&mixed) < total(&huffman));
+    }
+
+    /// The mode byte of each block's last plane record (the exponent's).
+    fn exponent_modes(s: &BlockStore) -> Vec<u8> {
+        (0..s.num_blocks())
+            .map(|b| {
+                let bytes = s.block_bytes(b).unwrap();
+                let mut at = 0usize;
+                for _ in 0..3 {
+                    let mode = bytes[at];
+                    at += 1;
+                    at += match mode {
+                        MODE_RAW => 64 * 256,
+                        MODE_CONST => 1,
+                        _ => {
+                            let mut p = at;
+                            let len = crate::format::get_varint(bytes, &mut p).unwrap();
+                            p - at + len
+                        }
+                    };
+                }
+                bytes[at]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn planes_no_table_can_code_carry_no_tables() {
+        let data = weights(512 * 256);
+        let s = encode(&data, Coder::SharedHuffman { max_tables: 4 });
+        // the two low mantissa bytes are uniform: raw in every block, so no tables; the
+        // exponent plane is coded
+        let counts: Vec<usize> = s.tables.iter().map(Vec::len).collect();
+        assert!(
+            counts[0] == 0 && counts[1] == 0 && counts[3] > 0,
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn tables_no_block_takes_are_left_out() {
+        // the first block is noise: clustering seeds a table with it (the block the other
+        // tables serve worst), and that block is then stored raw, leaving the table unused
+        let mut data = weights(512 * 256);
+        let mut s = 99u32;
+        for b in data.iter_mut().take(64 * 1024) {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            *b = s as u8;
+        }
+        let st = encode(&data, Coder::SharedHuffman { max_tables: 4 });
+        let modes = exponent_modes(&st);
+        assert_eq!(modes[0], MODE_RAW);
+        let used: std::collections::BTreeSet<u8> = modes
+            .iter()
+            .filter(|&&m| (MODE_HUFFMAN..MODE_HUFFMAN_ROWS).contains(&m))
+            .map(|m| m - MODE_HUFFMAN)
+            .collect();
+        let kept = st.tables[3].len();
+        assert!(kept > 0);
+        assert_eq!(used, (0..kept as u8).collect(), "every kept table is used");
+    }
 }

@@ -5,15 +5,18 @@
 //! float moved next to the mantissa, so the exponent is a byte plane of its own), split into
 //! byte planes ([`compressme_shuffle`]), and each plane is stored in the cheapest of five
 //! modes: raw, constant, Huffman-coded with one of a few code tables shared by the whole
-//! tensor, rANS-coded with one of a few shared frequency tables ([`Coder::SharedRans`]:
-//! smaller, slower to decode; a store with such a plane is format version 2), or a
+//! tensor, rANS-coded with one of a few shared frequency tables ([`Coder::SharedRans`] on
+//! every plane where they are smaller, [`Coder::Mixed`] only where they save 0.5% of the
+//! plane: smaller, slower to decode; a store with such a plane is format version 2), or a
 //! Zstandard frame. Each block is sealed with SHA-256 (block digests are computed four at
 //! a time, their rounds interleaved, where the CPU has the SHA extensions).
 //!
 //! The library's defaults ([`EncodeOptions::new`]: 16-row blocks, Huffman tables) favour
 //! random access and decode speed (embedding lookups); `compressme pack` defaults to
-//! 64-row blocks (fewer digests a byte) with Huffman tables, and `pack --coder rans` asks
-//! for [`Coder::SharedRans`]: the smallest files, slower to read.
+//! 64-row blocks (fewer digests a byte) and [`Coder::Mixed`] with 16 tables a plane
+//! (rANS tables on exponent planes, where Huffman's whole bits cost about 1.2%), `pack
+//! --coder huffman` asks for Huffman tables only (the fastest to read), and `pack --coder
+//! rans` for [`Coder::SharedRans`]: the smallest files, the slowest to read.
 //!
 //! Main types: [`BlockStore`] (encode, serialize, load, verify, decode rows),
 //! [`EncodeOptions`] with [`ValueKind`] and [`Coder`], [`StoredBytes`] (exact accounting),
@@ -148,6 +151,16 @@ pub enum Coder {
         /// 1..=16 tables per plane.
         max_tables: u8,
     },
+    /// As `SharedRans`, but a plane takes rANS tables only where they store it in at least
+    /// [`MIXED_MIN_GAIN`] fewer bytes than Huffman tables (or raw) would, tables included;
+    /// every other plane keeps Huffman tables or stays raw. On trained weights that is the
+    /// exponent plane, where Huffman's whole bits cost about 1.2% of the plane, and not the
+    /// near-uniform mantissa planes, where rANS saves 0.3% for several times the decode
+    /// time of a raw plane. `compressme pack`'s default, with 16 tables.
+    Mixed {
+        /// 1..=16 tables per plane.
+        max_tables: u8,
+    },
     /// One Zstandard frame per plane at this level (1..=22); every frame carries its own
     /// entropy tables. Kept for comparison and for data that has repeats Huffman cannot see.
     Zstd {
@@ -155,6 +168,10 @@ pub enum Coder {
         level: i32,
     },
 }
+
+/// The fraction of a plane's bytes rANS tables must save over Huffman tables or raw for
+/// [`Coder::Mixed`] to take them (0.5%).
+pub const MIXED_MIN_GAIN: f64 = 0.005;
 
 impl Default for Coder {
     fn default() -> Self {

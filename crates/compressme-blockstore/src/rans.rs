@@ -39,15 +39,42 @@ pub(crate) struct Table {
     freq: [u16; 256],
     /// Cumulative frequency below each symbol.
     cum: [u16; 256],
-    /// Per slot (`x mod TOTAL`): symbol in bits 0..8, frequency - 1 in bits 8..20, slot
-    /// minus the symbol's cumulative frequency in bits 20..32.
-    slots: Box<[u32; TOTAL as usize]>,
+    /// What decoding looks up, per slot.
+    dec: Box<DecodeTable>,
     /// Cost of each symbol in 1/65536 bits (`u32::MAX` when it has no frequency).
     cost: [u32; 256],
-    /// Per symbol, the multiplier and shift that divide a state by its frequency
-    /// (`floor(x / f) = (x * m) >> shift` for every 32-bit `x`; Granlund and Montgomery's
-    /// round-up method), so the encoder does not divide.
-    recip: [(u64, u32); 256],
+    /// What coding each symbol needs.
+    enc: [EncodeSymbol; 256],
+}
+
+/// What the encoder needs to code one symbol.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct EncodeSymbol {
+    /// `f * 2^20`: a state at or above it is renormalized before coding the symbol.
+    bound: u64,
+    /// With `l = ceil(log2 f)`, the multiplier `m = floor(2^(32 + l) / f) + 1` divides a
+    /// state by the symbol's frequency `f`: `floor(x / f) = (x * m) >> (32 + l)` for every
+    /// 32-bit `x` (Granlund and Montgomery's round-up method), so the encoder does not
+    /// divide. `2^32 < m < 2^33`, so this keeps `m - 2^32` and computes
+    /// `(x + ((x * (m - 2^32)) >> 32)) >> l` in 64 bits, which is the same number.
+    m_low: u64,
+    /// `l`.
+    l: u32,
+    /// `4096 - f`: coding takes `x` to `x + q * (4096 - f) + c` with `q = floor(x / f)`,
+    /// which is `q * 4096 + (x - q * f) + c`.
+    complement: u32,
+    /// The cumulative frequency below the symbol, `c`.
+    cum: u32,
+}
+
+/// Per slot (`x mod TOTAL`), in one allocation so that a decoding loop keeps one pointer.
+#[derive(Clone, PartialEq, Eq)]
+struct DecodeTable {
+    /// The slot's symbol's frequency in bits 12..25 and the slot minus that symbol's
+    /// cumulative frequency in bits 0..12: what a decoding step needs besides the symbol.
+    slots: [u32; TOTAL as usize],
+    /// The slot's symbol.
+    symbols: [u8; TOTAL as usize],
 }
 
 impl std::fmt::Debug for Table {
@@ -134,7 +161,11 @@ impl Table {
             return None;
         }
         let mut cum = [0u16; 256];
-        let mut slots = Box::new([0u32; TOTAL as usize]);
+        let mut dec = Box::new(DecodeTable {
+            slots: [0u32; TOTAL as usize],
+            symbols: [0u8; TOTAL as usize],
+        });
+        let DecodeTable { slots, symbols } = &mut *dec;
         let mut cost = [u32::MAX; 256];
         let mut at = 0u32;
         for (s, ((&fs, c), k)) in freq
@@ -150,18 +181,21 @@ impl Table {
             }
             // bits = 12 - log2(f), in 1/65536 bits
             *k = ((f64::from(SCALE_BITS) - f64::from(fs).log2()) * 65536.0).round() as u32;
-            for (j, slot) in slots
+            for (j, (slot, sym)) in slots
                 .iter_mut()
+                .zip(symbols.iter_mut())
                 .skip(at as usize)
                 .take(fs as usize)
                 .enumerate()
             {
-                // s < 256, fs - 1 < 4096, j < 4096: the fields do not overlap
-                *slot = (s as u32) | (fs.wrapping_sub(1) << 8) | ((j as u32) << 20);
+                // fs <= 4096 < 2^13, j < 4096: the fields do not overlap
+                *slot = (fs << SCALE_BITS) | (j as u32);
+                *sym = s as u8;
             }
             at = at.wrapping_add(fs);
         }
-        let recip = freq.map(|f| {
+        let mut enc = [EncodeSymbol::default(); 256];
+        for ((e, &f), &c) in enc.iter_mut().zip(&freq).zip(&cum) {
             let f = u64::from(f.max(1));
             // l = ceil(log2 f); m = floor(2^(32 + l) / f) + 1 < 2^33
             let l = 64u32.saturating_sub(f.saturating_sub(1).leading_zeros());
@@ -169,14 +203,21 @@ impl Table {
                 .checked_div(f)
                 .unwrap_or(0)
                 .saturating_add(1);
-            (m, 32u32.saturating_add(l))
-        });
+            *e = EncodeSymbol {
+                bound: f << 20,
+                m_low: m.saturating_sub(1 << 32),
+                l,
+                // f <= 4096
+                complement: TOTAL.saturating_sub(f as u32),
+                cum: u32::from(c),
+            };
+        }
         Some(Self {
             freq,
             cum,
-            slots,
+            dec,
             cost,
-            recip,
+            enc,
         })
     }
 
@@ -264,32 +305,29 @@ impl Table {
     /// [`Table::block_cost_bits`]) as a stream: the [`STATES`] final states, u32 each, then
     /// the renormalization words, u16 each, in the order a decoder reads them.
     pub(crate) fn encode(&self, symbols: &[u8], out: &mut Vec<u8>) {
-        let mut x = [LOW; STATES];
         // at most one word a symbol: written at `nw` every time and kept when needed, so a
         // mantissa plane (a word about every other symbol) takes no unpredictable branch
         let mut words = vec![0u16; symbols.len().saturating_add(1)];
         let mut nw = 0usize;
-        for (i, &s) in symbols.iter().enumerate().rev() {
-            let s = usize::from(s);
-            let f = u32::from(self.freq.get(s).copied().unwrap_or(0)).max(1);
-            let c = u32::from(self.cum.get(s).copied().unwrap_or(0));
-            let (m, shift) = self.recip.get(s).copied().unwrap_or((0, 0));
-            if let Some(xj) = x.get_mut(i % STATES) {
-                let v = *xj;
-                // keep the state below f * 2^20 so that it stays below 2^32 after coding
-                // (in 64 bits: a symbol with the whole range has f * 2^20 = 2^32)
-                let need = u32::from(u64::from(v) >= u64::from(f) << 20);
-                if let Some(w) = words.get_mut(nw) {
-                    *w = v as u16;
-                }
-                nw = nw.wrapping_add(need as usize);
-                let v = v.wrapping_shr(need << 4);
-                let q = (u128::from(v).wrapping_mul(u128::from(m)) >> shift) as u32;
-                let r = v.wrapping_sub(q.wrapping_mul(f));
-                *xj = q.wrapping_shl(SCALE_BITS).wrapping_add(r).wrapping_add(c);
+        let mut x = [LOW; STATES];
+        // symbols go in from last to first: the tail past the last whole quad first
+        // (symbol i with state i mod 4), then each quad from its state 3 to its state 0,
+        // the states in registers
+        let quads = symbols.chunks_exact(STATES);
+        let tail = quads.remainder();
+        for (xj, &s) in x.iter_mut().zip(tail).rev() {
+            self.put(xj, s, &mut words, &mut nw);
+        }
+        let [mut x0, mut x1, mut x2, mut x3] = x;
+        for q in quads.rev() {
+            if let &[s0, s1, s2, s3] = q {
+                self.put(&mut x3, s3, &mut words, &mut nw);
+                self.put(&mut x2, s2, &mut words, &mut nw);
+                self.put(&mut x1, s1, &mut words, &mut nw);
+                self.put(&mut x0, s0, &mut words, &mut nw);
             }
         }
-        for xj in x {
+        for xj in [x0, x1, x2, x3] {
             out.extend_from_slice(&xj.to_le_bytes());
         }
         words.truncate(nw);
@@ -297,6 +335,28 @@ impl Table {
         for w in words.iter().rev() {
             out.extend_from_slice(&w.to_le_bytes());
         }
+    }
+
+    /// Codes symbol `s` into state `*x`, first writing its low word at `words[*nw]` and
+    /// counting it when the state must shrink to stay below 2^32 after coding.
+    #[inline(always)]
+    #[allow(clippy::indexing_slicing)] // a u8 indexes a 256-entry array: never out of range
+    fn put(&self, x: &mut u32, s: u8, words: &mut [u16], nw: &mut usize) {
+        let e = &self.enc[usize::from(s)];
+        let v = *x;
+        // keep the state below f * 2^20 so that it stays below 2^32 after coding (in 64
+        // bits: a symbol with the whole range has f * 2^20 = 2^32)
+        let need = u64::from(v) >= e.bound;
+        if let Some(w) = words.get_mut(*nw) {
+            *w = v as u16;
+        }
+        *nw = nw.wrapping_add(usize::from(need));
+        let v = std::hint::select_unpredictable(need, v >> 16, v);
+        let v64 = u64::from(v);
+        let q = (v64.wrapping_add(v64.wrapping_mul(e.m_low) >> 32) >> e.l) as u32;
+        *x = v
+            .wrapping_add(q.wrapping_mul(e.complement))
+            .wrapping_add(e.cum);
     }
 
     /// Decodes `out.len()` symbols from `stream`. When `exact`, the stream must end where
@@ -310,10 +370,29 @@ impl Table {
     /// start.
     pub(crate) fn decode(&self, stream: &[u8], out: &mut [u8], exact: bool) -> Result<()> {
         let mut a = Lanes::new(self, stream)?;
+        let d = &*self.dec;
+        let flat = a.ws.as_flattened();
+        // the states and the word index live in registers through the loop
+        let [mut x0, mut x1, mut x2, mut x3] = a.x;
+        let mut p = a.p;
         let mut quads = out.chunks_exact_mut(STATES);
         for q in &mut quads {
-            a.quad(q);
+            // the four words this quad may take, read before its states are known, so
+            // the read is off the states' dependency chain (past the end: 0)
+            let mut w = match flat.get(p.wrapping_mul(2)..).and_then(<[u8]>::first_chunk) {
+                Some(c) => u64::from_le_bytes(*c),
+                None => peek4_slow(a.ws, p),
+            };
+            let s0 = one(d, &mut x0, &mut w, &mut p);
+            let s1 = one(d, &mut x1, &mut w, &mut p);
+            let s2 = one(d, &mut x2, &mut w, &mut p);
+            let s3 = one(d, &mut x3, &mut w, &mut p);
+            if let [a, b, c, d] = q {
+                (*a, *b, *c, *d) = (s0, s1, s2, s3);
+            }
         }
+        a.x = [x0, x1, x2, x3];
+        a.p = p;
         a.rest(quads.into_remainder());
         a.finish(exact)
     }
@@ -324,7 +403,7 @@ struct Lanes<'a> {
     x: [u32; STATES],
     p: usize,
     ws: &'a [[u8; 2]],
-    slots: &'a [u32; TOTAL as usize],
+    dec: &'a DecodeTable,
 }
 
 impl<'a> Lanes<'a> {
@@ -349,58 +428,15 @@ impl<'a> Lanes<'a> {
             x,
             p: 0,
             ws: words.as_chunks::<2>().0,
-            slots: &table.slots,
+            dec: &table.dec,
         })
-    }
-
-    /// Four symbols, one from each state (`q` is 4 bytes long).
-    #[inline(always)]
-    fn quad(&mut self, q: &mut [u8]) {
-        let p = self.p;
-        // the four words this quad may take, read before its states are known, so the
-        // read is off the states' dependency chain (a word past the end reads as 0)
-        let flat = self.ws.as_flattened();
-        let w = match flat.get(p.wrapping_mul(2)..p.wrapping_mul(2).wrapping_add(8)) {
-            Some(&[a, b, c, d, e, f, g, h]) => u64::from_le_bytes([a, b, c, d, e, f, g, h]),
-            _ => (0..4).fold(0u64, |acc, i| {
-                let wi = self
-                    .ws
-                    .get(p.wrapping_add(i))
-                    .map_or(0, |w| u64::from(u16::from_le_bytes(*w)));
-                acc | wi.wrapping_shl((i as u32).wrapping_mul(16))
-            }),
-        };
-        let [x0, x1, x2, x3] = self.x;
-        let (s0, v0) = unrenormed(self.slots, x0);
-        let (s1, v1) = unrenormed(self.slots, x1);
-        let (s2, v2) = unrenormed(self.slots, x2);
-        let (s3, v3) = unrenormed(self.slots, x3);
-        let (n0, n1, n2, n3) = (
-            u32::from(v0 < LOW),
-            u32::from(v1 < LOW),
-            u32::from(v2 < LOW),
-            u32::from(v3 < LOW),
-        );
-        // state j takes the word after those the states before it took
-        let (k1, k2) = (n0, n0.wrapping_add(n1));
-        let k3 = k2.wrapping_add(n2);
-        let word = |k: u32| (w.wrapping_shr(k << 4) as u32) & 0xffff;
-        self.x = [
-            refill(v0, n0, word(0)),
-            refill(v1, n1, word(k1)),
-            refill(v2, n2, word(k2)),
-            refill(v3, n3, word(k3)),
-        ];
-        self.p = p.wrapping_add(k3.wrapping_add(n3) as usize);
-        if let [a, b, c, d] = q {
-            (*a, *b, *c, *d) = (s0, s1, s2, s3);
-        }
     }
 
     /// The last symbols (fewer than four), from states 0, 1, ...
     fn rest(&mut self, out: &mut [u8]) {
+        let mut w = peek4_slow(self.ws, self.p);
         for (o, xj) in out.iter_mut().zip(self.x.iter_mut()) {
-            *o = step(self.slots, self.ws, xj, &mut self.p);
+            *o = one(self.dec, xj, &mut w, &mut self.p);
         }
     }
 
@@ -424,40 +460,36 @@ impl<'a> Lanes<'a> {
     }
 }
 
-/// One decoding step of state `x`: its symbol, then the state before it, refilled from
-/// word `*p` when it falls below 2^16 (branch-free: a mantissa plane refills about every
-/// other symbol, at random). A word past the end reads as 0 and still advances `*p`, which
-/// the caller checks.
-#[inline(always)]
-#[allow(clippy::indexing_slicing)] // `x & 4095` indexes a 4096-entry array: never out of range
-fn step(slots: &[u32; TOTAL as usize], ws: &[[u8; 2]], x: &mut u32, p: &mut usize) -> u8 {
-    let e = slots[(*x & (TOTAL - 1)) as usize];
-    let f = ((e >> 8) & 0xfff).wrapping_add(1);
-    let v = f.wrapping_mul(*x >> SCALE_BITS).wrapping_add(e >> 20);
-    // arithmetic, not a branch the compiler might keep: need is 0 or 1
-    let need = u32::from(v < LOW);
-    let w = ws.get(*p).map_or(0, |w| u32::from(u16::from_le_bytes(*w)));
-    *x = v.wrapping_shl(need << 4) | (w & need.wrapping_neg());
-    *p = p.wrapping_add(need as usize);
-    e as u8
+/// Words `p..p + 4` of `ws`, the first in the low bits; a word past the end reads as 0.
+#[cold]
+fn peek4_slow(ws: &[[u8; 2]], p: usize) -> u64 {
+    (0..4).fold(0u64, |acc, i| {
+        let wi = ws
+            .get(p.wrapping_add(i))
+            .map_or(0, |w| u64::from(u16::from_le_bytes(*w)));
+        acc | wi.wrapping_shl((i as u32).wrapping_mul(16))
+    })
 }
 
-/// A decoding step of state `x` before renormalization: its symbol and the state before it.
+/// One decoding step of state `*x`: its symbol, with `*x` set to the state before it,
+/// refilled with the low word of `*w` when it falls below 2^16; that word is then shifted
+/// out of `*w` and `*p` counts it. A word past the end reads as 0 and still counts, which
+/// [`Lanes::finish`] checks. Both selects are conditional moves, never branches: a
+/// mantissa plane renormalizes about every other symbol, at random.
 #[inline(always)]
-#[allow(clippy::indexing_slicing)] // `x & 4095` indexes a 4096-entry array: never out of range
-fn unrenormed(slots: &[u32; TOTAL as usize], x: u32) -> (u8, u32) {
-    let e = slots[(x & (TOTAL - 1)) as usize];
-    let f = ((e >> 8) & 0xfff).wrapping_add(1);
-    (
-        e as u8,
-        f.wrapping_mul(x >> SCALE_BITS).wrapping_add(e >> 20),
-    )
-}
-
-/// `v` with word `w` shifted in when `need` is 1 (branch-free).
-#[inline(always)]
-fn refill(v: u32, need: u32, w: u32) -> u32 {
-    v.wrapping_shl(need << 4) | (w & need.wrapping_neg())
+#[allow(clippy::indexing_slicing)] // `x & 4095` indexes 4096-entry arrays: never out of range
+fn one(d: &DecodeTable, x: &mut u32, w: &mut u64, p: &mut usize) -> u8 {
+    let i = (*x & (TOTAL - 1)) as usize;
+    let e = d.slots[i];
+    let v = (e >> SCALE_BITS)
+        .wrapping_mul(*x >> SCALE_BITS)
+        .wrapping_add(e & (TOTAL - 1));
+    let need = v < LOW;
+    let refilled = v.wrapping_shl(16) | (*w as u32 & 0xffff);
+    *x = std::hint::select_unpredictable(need, refilled, v);
+    *w = std::hint::select_unpredictable(need, *w >> 16, *w);
+    *p = p.wrapping_add(usize::from(need));
+    d.symbols[i]
 }
 
 /// A malformed stream, said so.
@@ -567,10 +599,25 @@ mod tests {
             }
         }
         // and the table's own
-        for (s, &(m, shift)) in t.recip.iter().enumerate() {
+        for (s, &EncodeSymbol { m_low, l, .. }) in t.enc.iter().enumerate() {
             let f = u32::from(t.freq[s].max(1));
-            for x in [u32::MAX, 1 << 20, 12345] {
-                assert_eq!(((u128::from(x) * u128::from(m)) >> shift) as u32, x / f);
+            for x in [u32::MAX, u32::MAX - 1, 1 << 20, 12345, 0, 1] {
+                let x64 = u64::from(x);
+                assert_eq!(((x64 + ((x64 * m_low) >> 32)) >> l) as u32, x / f);
+            }
+        }
+        // every frequency, the split form against the 128-bit product
+        for f in 1..=4096u64 {
+            let l = 64 - (f - 1).leading_zeros();
+            let m = (1u64 << (32 + l)) / f + 1;
+            assert!(m > 1 << 32 && m < 1 << 33, "{f}");
+            for x in [0u32, 1, 4095, 65535, 1 << 31, u32::MAX]
+                .into_iter()
+                .chain(lcg(64, f).map(|r| r as u32 ^ (r << 9) as u32))
+            {
+                let x64 = u64::from(x);
+                let q = ((x64 + ((x64 * (m - (1 << 32))) >> 32)) >> l) as u32;
+                assert_eq!(q, x / f as u32, "{x} / {f}");
             }
         }
     }

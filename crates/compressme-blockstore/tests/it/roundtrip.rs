@@ -21,6 +21,8 @@ fn coder() -> impl Strategy<Value = (Coder, bool)> {
             .prop_map(|(max_tables, row_index)| (Coder::SharedHuffman { max_tables }, row_index)),
         (1u8..=4, any::<bool>())
             .prop_map(|(max_tables, row_index)| (Coder::SharedRans { max_tables }, row_index)),
+        (1u8..=16, any::<bool>())
+            .prop_map(|(max_tables, row_index)| (Coder::Mixed { max_tables }, row_index)),
         (1i32..=3).prop_map(|level| (Coder::Zstd { level }, false)),
     ]
 }

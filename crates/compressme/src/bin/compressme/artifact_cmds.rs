@@ -18,6 +18,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// The entropy coder of `pack`'s lossless planes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum EntropyCoder {
+    /// rANS tables on the planes where they save at least 0.5% over Huffman tables or raw
+    /// (exponent planes), Huffman tables or raw elsewhere.
+    Mixed,
     /// rANS or Huffman tables per plane, whichever stores it smaller.
     Rans,
     /// Huffman tables only.
@@ -62,18 +65,21 @@ pub(crate) struct PackArgs {
     /// framing, and is the unit a lookup decodes.
     #[arg(long, default_value_t = 64)]
     pub(crate) block_rows: usize,
-    /// Entropy coder of lossless planes: `huffman` (Huffman code tables: block store
-    /// version 1, the fastest to decode) or `rans` (each plane with rANS frequency tables
-    /// where they store it in fewer bytes: the smallest files, 0.2-0.5% of the dense bytes
-    /// smaller, 4-6x slower to decode in the codec and up to 2.7x slower to unpack).
-    #[arg(long, value_enum, default_value_t = EntropyCoder::Huffman)]
+    /// Entropy coder of lossless planes: `mixed` (rANS frequency tables on the planes
+    /// where they save at least 0.5% of the plane, in practice exponent planes, Huffman
+    /// tables or raw elsewhere; block store version 2 when a plane has rANS tables),
+    /// `huffman` (Huffman code tables only: block store version 1, the fastest to decode,
+    /// 0.2-0.3% of the dense bytes larger) or `rans` (rANS tables on every plane where
+    /// they store it smaller: the smallest files, a further 0.03-0.1% smaller, and the
+    /// slowest to decode: near-uniform mantissa planes take rANS too).
+    #[arg(long, value_enum, default_value_t = EntropyCoder::Mixed)]
     pub(crate) coder: EntropyCoder,
     /// Code lossless planes with Zstandard at this level instead of shared tables.
     #[arg(long)]
     pub(crate) zstd_level: Option<i32>,
     /// Shared tables per byte plane (1-16): more tables fit unusual blocks
-    /// better and encode slower.
-    #[arg(long, default_value_t = 4)]
+    /// better and encode slower (planes no table can code are not clustered).
+    #[arg(long, default_value_t = 16)]
     pub(crate) tables: u8,
     /// A profile from `compressme profile`: blockwise 4-bit formats then choose each
     /// group's scale to minimise the activation-weighted error (imatrix-style) instead
@@ -296,6 +302,9 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let coder = match (a.zstd_level, a.coder) {
         (Some(level), _) => Coder::Zstd { level },
         (None, EntropyCoder::Rans) => Coder::SharedRans {
+            max_tables: a.tables,
+        },
+        (None, EntropyCoder::Mixed) => Coder::Mixed {
             max_tables: a.tables,
         },
         (None, EntropyCoder::Huffman) => Coder::SharedHuffman {
