@@ -110,7 +110,7 @@ def main():
         single = len(files) == 1 and not os.path.isdir(path)
         art = os.path.join(work, "a.cma")
         back = os.path.join(work, "back.safetensors")
-        keys = ["pack", "verify", "verify_stored", "unpack", "pack_r", "verify_r", "unpack_r", "zstd_cli_c", "zstd_cli_d", "zstd_c", "zstd_d"]
+        keys = ["pack", "verify", "verify_stored", "unpack", "pack_h", "verify_h", "unpack_h", "zstd_cli_c", "zstd_cli_d", "zstd_c", "zstd_d"]
         if single:
             keys += ["zipnn_c", "zipnn_d"]
         times = {k: [] for k in keys}
