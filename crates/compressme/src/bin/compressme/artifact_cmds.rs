@@ -69,8 +69,8 @@ pub(crate) struct PackArgs {
     /// where they save at least 0.5% of the plane, in practice exponent planes, Huffman
     /// tables or raw elsewhere; block store version 2 when a plane has rANS tables),
     /// `huffman` (Huffman code tables only: block store version 1, the fastest to decode,
-    /// 0.2-0.3% of the dense bytes larger) or `rans` (rANS tables on every plane where
-    /// they store it smaller: the smallest files, a further 0.03-0.1% smaller, and the
+    /// 0.15-0.3% of the dense bytes larger) or `rans` (rANS tables on every plane where
+    /// they store it smaller: the smallest files, a further 0.05-0.15% smaller, and the
     /// slowest to decode: near-uniform mantissa planes take rANS too).
     #[arg(long, value_enum, default_value_t = EntropyCoder::Mixed)]
     pub(crate) coder: EntropyCoder,
