@@ -492,3 +492,17 @@ unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mu
         c0 += width;
     }
 }
+
+/// [`super::fixed_row`] compiled for this tier's instructions: the same code, the same bits.
+pub(super) fn fixed_row(t: Token, row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
+    let _ = t;
+    // SAFETY: the token proves the features
+    unsafe { fixed_row_imp(row, out, nibbles) }
+}
+
+/// # Safety
+/// The features present.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn fixed_row_imp(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
+    super::fixed_row_body(row, out, nibbles)
+}

@@ -504,7 +504,7 @@ struct FixedX {
 /// zero), without a call to the C library's `roundf`, so the loop vectorizes: `q` is at
 /// most a little past `X_MAX` in magnitude, so its truncation is exact in `i32`, and
 /// so is `q - trunc(q)` in f32 (two values less than 1 apart).
-#[inline]
+#[inline(always)]
 fn round_fixed(q: f32) -> i16 {
     // a no-op for the values the kernels make; keeps any other value's truncation in range
     let q = q.clamp(-(X_MAX + 1.0), X_MAX + 1.0);
@@ -518,7 +518,7 @@ fn round_fixed(q: f32) -> i16 {
 /// without overflow: `pre = 1` (the product is then `v · inv` exactly) unless `max / absmax`
 /// is infinite (an `absmax` below about `max / 3.4e38`, subnormal activations), when `v`
 /// and `absmax` are first scaled by `2^100`, exactly.
-#[inline]
+#[inline(always)]
 fn prescale(absmax: f32, max: f32) -> (f32, f32) {
     let inv = max / absmax;
     if inv.is_finite() {
@@ -541,8 +541,24 @@ fn nibble_slot(j: usize) -> usize {
 const SHARE_MIN_VALUES: usize = 1 << 15;
 
 /// One finite row of `x` rounded to 14-bit fixed point into `out` (in nibble order when
-/// `nibbles`: each block of 32, its even positions, then its odd ones); its step.
-fn fixed_row(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
+/// `nibbles`: each block of 32, its even positions, then its odd ones); its step. The
+/// SIMD tiers run the same code compiled for their instructions (element by element, so
+/// the same bits: nothing here is reassociated or fused).
+fn fixed_row(isa: Isa, row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512(t) => avx512::fixed_row(t, row, out, nibbles),
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni(t) => avx2::fixed_row(t.avx2(), row, out, nibbles),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2(t) => avx2::fixed_row(t, row, out, nibbles),
+        Isa::Portable => fixed_row_body(row, out, nibbles),
+    }
+}
+
+/// [`fixed_row`]'s code, inlined into each tier's copy.
+#[inline(always)]
+fn fixed_row_body(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
     let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
     if absmax > 0.0 {
         let (pre, inv) = prescale(absmax, X_MAX);
@@ -574,7 +590,7 @@ fn fixed_row(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
 impl FixedX {
     /// `None` when a value is not finite. Rows are independent, so a large `x` is rounded
     /// a run of rows at a time on the kernel pool's threads, with the same bits.
-    fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool) -> Option<Self> {
+    fn new(isa: Isa, x: &[f32], batch: usize, cols: usize, nibbles: bool) -> Option<Self> {
         let pad = if nibbles { NIBBLE_BLOCK } else { STEP };
         let kp = cols.div_ceil(pad) * pad;
         let mut q = vec![0i16; batch * kp];
@@ -594,7 +610,7 @@ impl FixedX {
                     finite.store(false, std::sync::atomic::Ordering::Relaxed);
                     return;
                 }
-                *scale = fixed_row(row, out, nibbles);
+                *scale = fixed_row(isa, row, out, nibbles);
             }
         };
         let per = batch.div_ceil(4 * pool::threads()).max(1);
@@ -953,7 +969,7 @@ pub fn matmul_into_using(
     let fixed = if half || block8 {
         None
     } else {
-        FixedX::new(x, batch, cols, nibbles)
+        FixedX::new(isa, x, batch, cols, nibbles)
     };
     let rows_of = |yt: &mut [f32]| match fixed {
         _ if half => half_rows(isa, x, batch, w, yt),
@@ -1601,7 +1617,7 @@ mod tests {
     fn tiny_activations_round_in_proportion() {
         for absmax in [f32::from_bits(1), 1e-40, 3e-39, 1e-36, 2e-35, 1e-30] {
             let x = [absmax, -absmax, absmax / 2.0, 0.0];
-            let fx = FixedX::new(&x, 1, 4, false).unwrap();
+            let fx = FixedX::new(Isa::Portable, &x, 1, 4, false).unwrap();
             let q = fx.row(0);
             assert_eq!((q[0], q[1], q[3]), (8191, -8191, 0), "{absmax:e}");
             // a half of a subnormal is not always exact: against the value it is
@@ -1628,7 +1644,7 @@ mod tests {
             })
             .collect();
         for nibbles in [false, true] {
-            let fx = FixedX::new(&x, 3, cols, nibbles).unwrap();
+            let fx = FixedX::new(Isa::Portable, &x, 3, cols, nibbles).unwrap();
             for (b, row) in x.chunks_exact(cols).enumerate() {
                 let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let inv = X_MAX / absmax;

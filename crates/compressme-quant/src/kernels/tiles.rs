@@ -6,7 +6,11 @@
 //! to `i16` once (4-bit codes through their table first); a pair of its codes, broadcast,
 //! meets the panel's vector of the same pair, one instruction for 16 (or 8) rows of `x`:
 //! `vpdpwssd` on the AVX-512 tier (512-bit) and the AVX-VNNI tier (256-bit), `vpmaddwd`
-//! and an add on the AVX2 tier. Eight weight rows share each load of the panel. A group's sum
+//! and an add on the AVX2 tier. Eight weight rows share each load of the panel, and on the
+//! AVX-512 tier two blocks of the panel (32 rows of `x`) run together, so each broadcast
+//! pair of codes meets both (sixteen sums in registers). While a task's kernel runs, the
+//! next task's codes are prefetched into the second-level cache ([`Ahead`]): each task
+//! widens its rows first, and that read would otherwise wait on memory. A group's sum
 //! for a row of `x` is one lane, so its flush is one convert and one fused multiply-add
 //! for all the lanes: the per-group work that bounds the one-row-at-a-time kernels (eight
 //! class sums to flush for each row and group) is gone.
@@ -32,11 +36,12 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m512i, _mm_loadu_si128, _mm256_add_epi32, _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps,
-    _mm256_dpwssd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16,
-    _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps,
-    _mm256_storeu_si256, _mm512_cvtepi32_ps, _mm512_dpwssd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512, _mm512_storeu_ps,
+    __m512i, _MM_HINT_T1, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32, _mm256_cvtepi8_epi16,
+    _mm256_cvtepi32_ps, _mm256_dpwssd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_si256,
+    _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_storeu_ps, _mm256_storeu_si256, _mm512_cvtepi32_ps, _mm512_dpwssd_epi32,
+    _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps,
+    _mm512_setzero_si512, _mm512_storeu_ps,
 };
 
 use super::{FLUSH, FixedX, RowsView, avx2, avx512, avxvnni};
@@ -259,7 +264,14 @@ unsafe fn widen_bytes_imp(codes: &[u8], row: &mut [i16], chunks: usize) {
 /// Weight rows `m · 8..m · 8 + 8` of the scratch against one block of the `x` panel:
 /// `out[r][l]` is the row against the block's row `l`, scaled, before minimums and `x`'s
 /// step (AVX2 fills eight lanes).
-fn dots(kind: Kind, s: &Scratch, m: usize, sched: &[Flush], x: &[u32]) -> [[f32; LANES]; MR] {
+fn dots(
+    kind: Kind,
+    s: &Scratch,
+    m: usize,
+    sched: &[Flush],
+    x: &[u32],
+    ahead: &mut Ahead,
+) -> [[f32; LANES]; MR] {
     let (kp, nf) = (s.kp, sched.len());
     let wide = s.wide.get(m * MR * kp..(m + 1) * MR * kp).unwrap_or(&[]);
     let scales = s.scales.get(m * MR * nf..(m + 1) * MR * nf).unwrap_or(&[]);
@@ -274,12 +286,12 @@ fn dots(kind: Kind, s: &Scratch, m: usize, sched: &[Flush], x: &[u32]) -> [[f32;
         Kind::Avx2(t) => {
             let _ = t;
             // SAFETY: the token proves the features; `ok` checked every range the loads read.
-            unsafe { dots_avx2(wide, scales, kp, sched, x) }
+            unsafe { dots_avx2(wide, scales, kp, sched, x, ahead) }
         }
         Kind::AvxVnni(t) => {
             let _ = t;
             // SAFETY: the token proves the features; `ok` checked every range the loads read.
-            unsafe { dots_avxvnni(wide, scales, kp, sched, x) }
+            unsafe { dots_avxvnni(wide, scales, kp, sched, x, ahead) }
         }
         // the AVX-512 tiles run in `dots_all`; here only when its checks failed
         Kind::Avx512(_) => reference(kind.lanes(), wide, scales, kp, sched, x),
@@ -327,6 +339,58 @@ unsafe fn pair_of(w: &[i16], p: usize) -> i32 {
     unsafe { w.as_ptr().add(2 * p).cast::<i32>().read_unaligned() }
 }
 
+/// Software prefetch of the next task's codes, spread over this task's kernel steps: the
+/// rows are widened at the start of each task, all at once, and without it that read
+/// waits on memory with nothing else to do. A prefetch is a hint: it changes no result.
+pub(super) struct Ahead {
+    start: *const u8,
+    lines: usize,
+    next: usize,
+    every: usize,
+    per: usize,
+    count: usize,
+}
+
+impl Ahead {
+    /// The cache lines of `bytes`, spread evenly over `steps` calls of [`Self::step`].
+    pub(super) fn new(bytes: &[u8], steps: usize) -> Self {
+        let (lines, steps) = (bytes.len().div_ceil(64), steps.max(1));
+        Self {
+            start: bytes.as_ptr(),
+            lines,
+            next: 0,
+            every: (steps / lines.max(1)).max(1),
+            per: lines.div_ceil(steps).max(1),
+            count: 0,
+        }
+    }
+
+    /// One kernel step: every `every` steps, the next `per` lines into the second-level
+    /// cache.
+    #[inline(always)]
+    pub(super) fn step(&mut self) {
+        self.count += 1;
+        if self.count >= self.every && self.next < self.lines {
+            self.count = 0;
+            for _ in 0..self.per {
+                // a hint only: the address is inside the slice `new` was given
+                let at = self.start.wrapping_add(64 * self.next);
+                // SAFETY: SSE is baseline on x86_64; a prefetch reads nothing, cannot fault
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(at.cast()) };
+                self.next += 1;
+            }
+        }
+    }
+}
+
+/// The codes of the 16 rows after `first`'s 16: the next task's, in a run of tasks.
+pub(super) fn next_codes<'a>(view: &RowsView<'a>, first: usize) -> &'a [u8] {
+    let rb = view.row_bytes;
+    view.codes
+        .get((first + ROWS) * rb..)
+        .map_or(&[][..], |c| c.get(..ROWS * rb).unwrap_or(c))
+}
+
 /// A 256-bit tile kernel: `$name`, with `$features`, adding `$step(acc, xv, wv)` (the
 /// exact products of a pair of eight `x` rows by a broadcast pair of codes) into each
 /// row's `i32` lanes; the AVX2 tier's step (`vpmaddwd` and an add) and the AVX-VNNI
@@ -343,11 +407,13 @@ macro_rules! tile_kernel_256 {
             kp: usize,
             sched: &[Flush],
             x: &[u32],
+            ahead: &mut Ahead,
         ) -> [[f32; LANES]; MR] {
             let nf = sched.len();
             let rows: [&[i16]; MR] = std::array::from_fn(|r| &wide[r * kp..(r + 1) * kp]);
             let mut f = [_mm256_setzero_ps(); MR];
             for (fi, fl) in sched.iter().enumerate() {
+                ahead.step();
                 let mut acc = [_mm256_setzero_si256(); MR];
                 for p in fl.start..fl.end {
                     // SAFETY: p < end <= kp / 2: eight units from 8p are in `x` (caller)
@@ -385,7 +451,14 @@ tile_kernel_256!(dots_avxvnni, "avx2,fma,avxvnni", |a, x, w| {
 /// (so a group's part of the panel and of the rows stays in the first-level cache while
 /// all of them run): `acc[(m · blocks + k) · 8 + r]` accumulates row `8m + r` against
 /// block `k`, lane `l` its row `l`.
-fn dots_all(kind: Kind, s: &Scratch, sched: &[Flush], xp: &XPanel, acc: &mut Vec<[f32; LANES]>) {
+fn dots_all(
+    kind: Kind,
+    s: &Scratch,
+    sched: &[Flush],
+    xp: &XPanel,
+    acc: &mut Vec<[f32; LANES]>,
+    next: &[u8],
+) {
     let (kp, nf, lanes) = (s.kp, sched.len(), kind.lanes());
     let blocks = xp.data.len() / (xp.pairs * lanes).max(1);
     acc.clear();
@@ -398,12 +471,14 @@ fn dots_all(kind: Kind, s: &Scratch, sched: &[Flush], xp: &XPanel, acc: &mut Vec
     if let (Kind::Avx512(t), true) = (kind, ok) {
         let _ = t;
         // SAFETY: the token proves the features; `ok` checked every range the loads read.
-        unsafe { dots_all_avx512(&s.wide, &s.scales, kp, sched, &xp.data, blocks, acc) };
+        unsafe { dots_all_avx512(&s.wide, &s.scales, kp, sched, &xp.data, acc, next) };
         return;
     }
+    // a step a flush on these tiers (a step a pair slowed their loop by half)
+    let mut ahead = Ahead::new(next, ROWS / MR * blocks * nf);
     for m in 0..ROWS / MR {
         for k in 0..blocks {
-            let d = dots(kind, s, m, sched, xp.block(k));
+            let d = dots(kind, s, m, sched, xp.block(k), &mut ahead);
             let at = (m * blocks + k) * MR;
             if let Some(dst) = acc.get_mut(at..at + MR) {
                 dst.copy_from_slice(&d);
@@ -420,9 +495,16 @@ fn dots_all(kind: Kind, s: &Scratch, sched: &[Flush], xp: &XPanel, acc: &mut Vec
 /// the block's.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-unsafe fn block_sums(rows: [&[i16]; MR], xb: &[u32], start: usize, end: usize) -> [__m512i; MR] {
+unsafe fn block_sums(
+    rows: [&[i16]; MR],
+    xb: &[u32],
+    start: usize,
+    end: usize,
+    ahead: &mut Ahead,
+) -> [__m512i; MR] {
     let mut sums = [_mm512_setzero_si512(); MR];
     for p in start..end {
+        ahead.step();
         // SAFETY: p < end: 16 units from 16p are in the block (caller)
         let xv = unsafe { _mm512_loadu_si512(xb.as_ptr().add(LANES * p).cast()) };
         for r in 0..MR {
@@ -434,10 +516,67 @@ unsafe fn block_sums(rows: [&[i16]; MR], xb: &[u32], start: usize, end: usize) -
     sums
 }
 
+/// [`block_sums`] for two blocks of the `x` panel at once: each broadcast pair of codes
+/// meets both blocks' vectors, so a step loads ten vectors for sixteen `vpdpwssd` (against
+/// nine for eight), and sixteen independent sums hide the instruction's latency. Each sum
+/// adds the same products in the same order as [`block_sums`], so the bits are the same.
+///
+/// # Safety
+/// AVX-512 F and VNNI present; `2 · end` at most every row's length, `16 · end` at most
+/// each block's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn block_sums2(
+    rows: [&[i16]; MR],
+    xb0: &[u32],
+    xb1: &[u32],
+    start: usize,
+    end: usize,
+    ahead: &mut Ahead,
+) -> ([__m512i; MR], [__m512i; MR]) {
+    let mut s0 = [_mm512_setzero_si512(); MR];
+    let mut s1 = [_mm512_setzero_si512(); MR];
+    for p in start..end {
+        ahead.step();
+        // SAFETY: p < end: 16 units from 16p are in each block (caller)
+        let (x0, x1) = unsafe {
+            (
+                _mm512_loadu_si512(xb0.as_ptr().add(LANES * p).cast()),
+                _mm512_loadu_si512(xb1.as_ptr().add(LANES * p).cast()),
+            )
+        };
+        for r in 0..MR {
+            // SAFETY: 2p + 2 <= 2 · end <= the row's length (caller)
+            let w = _mm512_set1_epi32(unsafe { pair_of(rows[r], p) });
+            s0[r] = _mm512_dpwssd_epi32(s0[r], x0, w);
+            s1[r] = _mm512_dpwssd_epi32(s1[r], x1, w);
+        }
+    }
+    (s0, s1)
+}
+
+/// `dst[r] = fma(sums[r] as f32, sc[r], dst[r])` for the eight rows.
+///
+/// # Safety
+/// AVX-512 F present.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn flush_sums(sums: &[__m512i; MR], sc: &[f32; MR], dst: &mut [[f32; LANES]]) {
+    for ((d, &s), &c) in dst.iter_mut().zip(sums).zip(sc) {
+        let o = d.as_mut_ptr();
+        // SAFETY: 16 f32
+        unsafe {
+            let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(c), _mm512_loadu_ps(o));
+            _mm512_storeu_ps(o, v);
+        }
+    }
+}
+
 /// # Safety
 /// AVX-512 F, VNNI and FMA present; `wide` is 16 rows of `kp`, `scales` 16 rows of one a
-/// flush, every flush's `2 · end <= kp`, `x` holds `blocks` blocks of `16 · kp / 2`
-/// units, `acc` `2 · blocks · 8` rows of 16.
+/// flush, every flush's `2 · end <= kp`, `x` holds whole blocks of `16 · kp / 2`
+/// units (`blocks` of them), `acc` `2 · blocks · 8` rows of 16; `next` the codes to
+/// prefetch for the next task.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn dots_all_avx512(
     wide: &[i16],
@@ -445,33 +584,40 @@ unsafe fn dots_all_avx512(
     kp: usize,
     sched: &[Flush],
     x: &[u32],
-    blocks: usize,
     acc: &mut [[f32; LANES]],
+    next: &[u8],
 ) {
     let nf = sched.len();
     let pairs = kp / 2;
+    let blocks = x.len() / (pairs * LANES).max(1);
+    let xb = |k: usize| &x[k * pairs * LANES..(k + 1) * pairs * LANES];
+    let steps =
+        ROWS / MR * blocks.div_ceil(2) * sched.iter().map(|f| f.end - f.start).sum::<usize>();
+    let mut ahead = Ahead::new(next, steps);
     for (fi, fl) in sched.iter().enumerate() {
         for m in 0..ROWS / MR {
             let rows: [&[i16]; MR] =
                 std::array::from_fn(|r| &wide[(m * MR + r) * kp..(m * MR + r + 1) * kp]);
             let sc: [f32; MR] = std::array::from_fn(|r| scales[(m * MR + r) * nf + fi]);
-            for k in 0..blocks {
-                let xb = &x[k * pairs * LANES..(k + 1) * pairs * LANES];
+            let dst = |k: usize| (m * blocks + k) * MR..(m * blocks + k + 1) * MR;
+            let mut k = 0;
+            while k + 2 <= blocks {
                 // SAFETY: the caller's guarantees, passed on
-                let sums = unsafe { block_sums(rows, xb, fl.start, fl.end) };
-                let dst = &mut acc[(m * blocks + k) * MR..(m * blocks + k + 1) * MR];
-                for r in 0..MR {
-                    let o = dst[r].as_mut_ptr();
-                    // SAFETY: 16 f32
-                    unsafe {
-                        let v = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(sums[r]),
-                            _mm512_set1_ps(sc[r]),
-                            _mm512_loadu_ps(o),
-                        );
-                        _mm512_storeu_ps(o, v);
-                    }
+                let (s0, s1) =
+                    unsafe { block_sums2(rows, xb(k), xb(k + 1), fl.start, fl.end, &mut ahead) };
+                // SAFETY: AVX-512 F (caller)
+                unsafe {
+                    flush_sums(&s0, &sc, &mut acc[dst(k)]);
+                    flush_sums(&s1, &sc, &mut acc[dst(k + 1)]);
                 }
+                k += 2;
+            }
+            while k < blocks {
+                // SAFETY: the caller's guarantees, passed on
+                let sums = unsafe { block_sums(rows, xb(k), fl.start, fl.end, &mut ahead) };
+                // SAFETY: AVX-512 F (caller)
+                unsafe { flush_sums(&sums, &sc, &mut acc[dst(k)]) };
+                k += 1;
             }
         }
     }
@@ -505,7 +651,7 @@ pub(super) fn run(
             let first = task * ROWS;
             let n = (out.len() / batch).min(rows.saturating_sub(first));
             s.load(kind, view, &sched, first, n);
-            dots_all(kind, s, &sched, &xp, acc);
+            dots_all(kind, s, &sched, &xp, acc, next_codes(view, first));
             for (k, yr) in out.chunks_exact_mut(batch).enumerate().take(n) {
                 let (m, r) = (k / MR, k % MR);
                 for blk in 0..blocks {
@@ -634,20 +780,20 @@ pub(super) mod tests {
         };
         for kind in kinds {
             let lanes = kind.lanes();
-            // two blocks of the x panel
+            // three blocks of the x panel (on AVX-512, a pair of blocks and one alone)
             let xp = XPanel {
                 lanes,
                 pairs: kp / 2,
-                data: x.iter().cycle().take(2 * kp / 2 * lanes).copied().collect(),
+                data: x.iter().cycle().take(3 * kp / 2 * lanes).copied().collect(),
             };
             let mut acc = Vec::new();
-            dots_all(kind, &s, &sched, &xp, &mut acc);
+            dots_all(kind, &s, &sched, &xp, &mut acc, &[]);
             for m in 0..ROWS / MR {
-                for k in 0..2 {
+                for k in 0..3 {
                     let (wide, nf) = (&s.wide[m * MR * kp..(m + 1) * MR * kp], sched.len());
                     let scales = &s.scales[m * MR * nf..(m + 1) * MR * nf];
                     let want = reference(lanes, wide, scales, kp, &sched, xp.block(k));
-                    let got = &acc[(m * 2 + k) * MR..(m * 2 + k + 1) * MR];
+                    let got = &acc[(m * 3 + k) * MR..(m * 3 + k + 1) * MR];
                     let got: [[f32; LANES]; MR] = got.try_into().unwrap();
                     assert_eq!(bits(got), bits(want), "{kind:?}, rows {m}, block {k}");
                 }

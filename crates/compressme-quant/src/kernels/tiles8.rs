@@ -27,6 +27,9 @@
 //! and `|q| <= 127`, so a pair of products, at most 32,512, never saturates an `i16`). So
 //! every SIMD tier gives the same bits.
 //!
+//! As in [`super::tiles`], the next task's codes are prefetched into the second-level
+//! cache while a task's kernel runs ([`super::tiles::Ahead`], a line or more a block).
+//!
 //! The error is that of 8-bit activations: at most `s / 2` a value of `x`, against
 //! `absmax / 16382` on the 14-bit path; [`super::error_bound_block8`] states it.
 //!
@@ -52,7 +55,7 @@ use std::arch::x86_64::{
     _mm512_srli_epi16, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_sub_epi32,
 };
 
-use super::tiles::{Kind, ROWS};
+use super::tiles::{Ahead, Kind, ROWS, next_codes};
 use super::{RowsView, ScaleRule, avx2, prescale};
 
 /// Columns of `x` that share one 8-bit step.
@@ -483,6 +486,7 @@ fn dots(
     p: &Panel,
     k: usize,
     codes: Codes,
+    ahead: &mut Ahead,
 ) -> [[f32; LANES]; MR] {
     let (xq, step, bias) = p.block(k);
     let (kp, blocks, lanes) = (p.kp, p.blocks(), kind.lanes());
@@ -512,14 +516,14 @@ fn dots(
     unsafe {
         match kind {
             Kind::Avx2(_) if codes == Codes::Linear => {
-                tile_avx2_linear(e, gblocks, blocks, xq, step, bias)
+                tile_avx2_linear(e, gblocks, blocks, xq, step, bias, ahead)
             }
             Kind::Avx2(_) if codes == Codes::Table => {
-                tile_avx2_table(e, gblocks, blocks, xq, step, bias)
+                tile_avx2_table(e, gblocks, blocks, xq, step, bias, ahead)
             }
-            Kind::Avx2(_) => tile_avx2(e, gblocks, blocks, xq, step, bias),
-            Kind::AvxVnni(_) => tile_avxvnni(e, gblocks, blocks, xq, step, bias),
-            Kind::Avx512(_) => tile_avx512(e, gblocks, blocks, xq, step, bias),
+            Kind::Avx2(_) => tile_avx2(e, gblocks, blocks, xq, step, bias, ahead),
+            Kind::AvxVnni(_) => tile_avxvnni(e, gblocks, blocks, xq, step, bias, ahead),
+            Kind::Avx512(_) => tile_avx512(e, gblocks, blocks, xq, step, bias, ahead),
         }
     }
 }
@@ -581,12 +585,14 @@ macro_rules! tile_256 {
             xq: &[u32],
             step: &[f32],
             bias: &[i32],
+            ahead: &mut Ahead,
         ) -> [[f32; LANES]; MR] {
             let mut acc = [_mm256_setzero_ps(); MR];
             let mut g = 0;
             while g * gblocks < blocks {
                 let mut ga = [_mm256_setzero_ps(); MR];
                 for c in g * gblocks..((g + 1) * gblocks).min(blocks) {
+                    ahead.step();
                     let mut s = [_mm256_setzero_si256(); MR];
                     for u in c * QUADS..(c + 1) * QUADS {
                         // SAFETY: u < 8 · blocks: eight units from 8u are in `xq`
@@ -727,12 +733,14 @@ unsafe fn tile_avx512(
     xq: &[u32],
     step: &[f32],
     bias: &[i32],
+    ahead: &mut Ahead,
 ) -> [[f32; LANES]; MR] {
     let mut acc = [_mm512_setzero_ps(); MR];
     let mut g = 0;
     while g * gblocks < blocks {
         let mut ga = [_mm512_setzero_ps(); MR];
         for c in g * gblocks..((g + 1) * gblocks).min(blocks) {
+            ahead.step();
             let mut s = [_mm512_setzero_si512(); MR];
             for u in c * QUADS..(c + 1) * QUADS {
                 // SAFETY: u < 8 · blocks: sixteen units from 16u are in `xq`
@@ -947,10 +955,12 @@ pub(super) fn run(
             let first = task * ROWS;
             let n = (out.len() / batch).min(rows.saturating_sub(first));
             s.load(kind, view, first, n);
+            // the next task's codes into the second-level cache, a line a block or so
+            let mut ahead = Ahead::new(next_codes(view, first), n.div_ceil(MR) * panels * blocks);
             for m in 0..n.div_ceil(MR) {
                 let e = Eight::of(s, m);
                 for k in 0..panels {
-                    let d = dots(kind, &e, gblocks, &panel, k, codes);
+                    let d = dots(kind, &e, gblocks, &panel, k, codes, &mut ahead);
                     for (r, dr) in d.iter().enumerate() {
                         let row = m * MR + r;
                         if row >= n {
@@ -1076,7 +1086,8 @@ mod tests {
                     for m in 0..ROWS / MR {
                         let e = Eight::of(&s, m);
                         for k in 0..batch.div_ceil(kind.lanes()) {
-                            let got = dots(kind, &e, gblocks, &panel, k, codes);
+                            let got =
+                                dots(kind, &e, gblocks, &panel, k, codes, &mut Ahead::new(&[], 1));
                             let (xq, step, _) = panel.block(k);
                             let want = reference(kind.lanes(), &e, gblocks, 5, xq, step, biased);
                             let bits = |v: [[f32; LANES]; MR]| -> Vec<u32> {
