@@ -19,6 +19,13 @@
 //! arithmetic, a lane a row: `a_g = fma(S, s, a_g)` a block, `acc = fma(a_g, w_g, acc)` a
 //! group, `Int4Block`'s minimums added last.
 //!
+//! On the AVX-512 tier a matrix can also be read in a tiled layout built at its first
+//! product ([`tile`]): each 64-byte vector holds four bytes of each of 16 rows, a lane a
+//! row, so four bytes of `x`, broadcast, meet it, and a block's four vectors give its 16
+//! row sums with no transposition. Where the CPU has AVX-512 VBMI, the nibbles go through
+//! the table with `vpermb` (no mask: it reads six bits of an index and the table repeats
+//! every 16 bytes); the same bytes as `vpshufb`.
+//!
 //! Nothing is widened or copied to memory: at batch 1 the codes are read once, in place,
 //! 64 products an instruction (the 14-bit path splits each activation into two bytes and
 //! needs two).
@@ -40,12 +47,12 @@ use std::arch::x86_64::{
     _mm256_unpacklo_epi32, _mm256_unpacklo_epi64, _mm256_unpacklo_ps, _mm512_add_epi32,
     _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd,
     _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_loadu_si512, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi8, _mm512_set1_epi32,
-    _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
-    _mm512_shuffle_f32x4, _mm512_shuffle_i32x4, _mm512_srli_epi16, _mm512_storeu_ps,
-    _mm512_sub_epi32, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd,
-    _mm512_unpackhi_ps, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd,
-    _mm512_unpacklo_ps,
+    _mm512_loadu_si512, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_permutexvar_epi8,
+    _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
+    _mm512_shuffle_epi8, _mm512_shuffle_f32x4, _mm512_shuffle_i32x4, _mm512_srli_epi16,
+    _mm512_storeu_ps, _mm512_sub_epi32, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64,
+    _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+    _mm512_unpacklo_pd, _mm512_unpacklo_ps,
 };
 
 use super::tiles::{Kind, ROWS};
@@ -303,12 +310,17 @@ fn amd() -> bool {
 const TILED_AHEAD: usize = 2 * ROWS * 64;
 
 /// The tiled layout of a 4-bit matrix (`rows` rows of `view.row_bytes` codes): for tile
-/// `t` (rows `16t..16t + 16`), chunk `h` (bytes `64h..64h + 64` of a row) and row `r` of
-/// the tile, the chunk at `((t · chunks + h) · 16 + r) · 64`, `chunks` the row's bytes
-/// over 64 rounded up; zeros past a row's end and for rows past the matrix. The AVX-512
-/// kernel then reads one stream in order where the storage layout is sixteen (one a row):
-/// at 4096 x 4096 NF4-g64 on Zen 5, one thread, 0.213-0.223 ms against 0.268-0.291 in
-/// cache. A blockwise format's group scales, when every one is exactly an f16 (as the
+/// `t` (rows `16t..16t + 16`), chunk `h` (bytes `64h..64h + 64` of a row), four bytes `q`
+/// of the chunk (bytes `4q..4q + 4`, `q < 16`) and row `r` of the tile, those four bytes at
+/// `((t · chunks + h) · 16 + q) · 64 + 4r`, `chunks` the row's bytes over 64 rounded up;
+/// zeros past a row's end and for rows past the matrix. So each 64-byte vector holds four
+/// bytes of each of the tile's 16 rows, a lane a row: the AVX-512 kernel reads one stream
+/// in order where the storage layout is sixteen (one a row), meets each vector with four
+/// bytes of `x` broadcast, and gets a block's 16 row sums in one vector, with no
+/// transposition (at 4096 x 4096 NF4-g64 on Zen 5, one thread, in cache: 0.213-0.223 ms
+/// with whole 64-byte chunks a row side by side, against 0.268-0.291 in the storage
+/// layout; 0.176-0.182 with these lanes and `vpermb`; at batches of 3 and 7, 0.43-0.47x
+/// the time of the whole-chunk version, whose sixteen rows' sums spilled from registers). A blockwise format's group scales, when every one is exactly an f16 (as the
 /// format stores them), come too, as f16 bits, a vector a group: for tile `t`, group `g`
 /// and row `r` at `(t · groups + g) · 16 + r` (half the bytes of the f32s, and no
 /// transposition); `Int4Block`'s minimums (`mins`) likewise, as f32s, so a tile's terms
@@ -324,9 +336,12 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Ti
             for r in 0..ROWS {
                 let row = view.codes_of(t * ROWS + r);
                 let piece = row.get(64 * h..(64 * h + 64).min(row.len())).unwrap_or(&[]);
-                let at = (h * ROWS + r) * 64;
-                if let Some(o) = tile.get_mut(at..at + piece.len()) {
-                    o.copy_from_slice(piece);
+                // bytes 4q..4q + 4 of the row's chunk into lane r of the chunk's vector q
+                for (q, four) in piece.chunks(4).enumerate() {
+                    let at = (h * ROWS + q) * 64 + 4 * r;
+                    if let Some(o) = tile.get_mut(at..at + four.len()) {
+                        o.copy_from_slice(four);
+                    }
                 }
             }
         }
@@ -505,10 +520,15 @@ fn dots<const N: usize>(
         Kind::Avx512(_) => {
             // SAFETY: above
             unsafe {
-                if shape.stride == 64 {
-                    tile_avx512::<N, false>(shape, codes, &xs, scales, &mut out);
-                } else {
-                    tile_avx512::<N, true>(shape, codes, &xs, scales, &mut out);
+                match (shape.stride == 64, vbmi()) {
+                    (true, false) => tile_avx512::<N, false>(shape, codes, &xs, scales, &mut out),
+                    (false, false) => tile_avx512::<N, true>(shape, codes, &xs, scales, &mut out),
+                    (true, true) => {
+                        tile_avx512_vbmi::<N, false>(shape, codes, &xs, scales, &mut out);
+                    }
+                    (false, true) => {
+                        tile_avx512_vbmi::<N, true>(shape, codes, &xs, scales, &mut out);
+                    }
                 }
             };
         }
@@ -551,13 +571,17 @@ fn reference<const N: usize>(
             i32::from((unit >> (8 * (j % 4))) as u8 as i8)
         };
         for (r, acc) in o.iter_mut().enumerate() {
-            // byte j of the row: chunk j / 64 at `stride` bytes a chunk
+            // byte j of the row: in the storage layout, at j of the row; in the tiled one
+            // ([`tile`], `codes[0]` the tile's start), chunk j / 64's vector (j % 64) / 4,
+            // lane r
             let code = |c: usize, i: usize| {
                 let j = 16 * c + i;
-                codes[r]
-                    .get(j / 64 * shape.stride + j % 64)
-                    .copied()
-                    .unwrap_or(0)
+                let at = if shape.stride == 64 {
+                    codes[r].get(j)
+                } else {
+                    codes[0].get(j / 64 * shape.stride + j % 64 / 4 * 64 + 4 * r + j % 4)
+                };
+                at.copied().unwrap_or(0)
             };
             let w = |v: u8| i32::from(shape.lut[usize::from(v & 15)]);
             for g in 0..blocks.div_ceil(gblocks) {
@@ -777,111 +801,181 @@ unsafe fn transpose_add_16(p: &[__m512i; ROWS]) -> [__m512i; 4] {
     ]
 }
 
-/// # Safety
-/// AVX-512 F, BW, VL and VNNI and FMA present; `xs` holds `blocks.div_ceil(4)` chunks of
-/// 128 bytes a row and `blocks` steps and biases; every row's scales are in `scales`;
-/// `shape.per` is 4 and `shape.gblocks > 0`; when `TILED`, `codes` are in the tiled
-/// layout (chunk `h` of a row at `ROWS · 64 · h`, see [`tile`]) and every row
-/// holds `(blocks.div_ceil(4) - 1) · ROWS · 64 + 64` bytes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn tile_avx512<const N: usize, const TILED: bool>(
-    shape: &Shape,
-    codes: &[&[u8]; ROWS],
-    xs: &Xs<'_, N>,
-    scales: &TileScales<'_>,
-    out: &mut [[f32; ROWS]; N],
-) {
-    let (blocks, gblocks) = (shape.blocks, shape.gblocks);
-    // SAFETY: the table is 16 bytes
-    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(shape.table.as_ptr().cast()) });
-    let low = _mm512_set1_epi8(0x0f);
-    let groups = blocks.div_ceil(gblocks);
-    // the group being summed, and its blocks still to come
-    let (mut g, mut left) = (0, gblocks);
-    let mut sbuf = [_mm512_setzero_ps(); 16];
-    let mut acc = [_mm512_setzero_ps(); N];
-    let mut ga = [_mm512_setzero_ps(); N];
-    let mut buf = [0u8; 64];
-    let chunks = blocks.div_ceil(4);
-    // chunks every row holds whole: read in place (all of them in the tiled layout)
-    let full = if TILED {
-        chunks
-    } else {
-        codes
-            .iter()
-            .map(|r| r.len() / 64)
-            .min()
-            .unwrap_or(0)
-            .min(chunks)
-    };
-    // chunk after chunk, each of the 16 rows' products kept in registers and transposed
-    // at once
-    for h in 0..chunks {
-        let mut p = [[_mm512_setzero_si512(); ROWS]; N];
-        for (r, row) in codes.iter().enumerate() {
-            let v = if TILED {
-                let at = row.as_ptr().wrapping_add(ROWS * 64 * h);
-                // a hint only: it never faults, past the tile's end included
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(TILED_AHEAD).cast());
-                // SAFETY: the row holds (chunks - 1) · ROWS · 64 + 64 bytes (caller)
-                unsafe { _mm512_loadu_si512(at.cast()) }
-            } else if h < full {
-                let at = row.as_ptr().wrapping_add(64 * h);
-                // a hint only: it never faults, past the row's end included
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(shape.ahead).cast());
-                // SAFETY: h < full: the row holds bytes 64h..64h + 64
-                unsafe { _mm512_loadu_si512(at.cast()) }
-            } else {
-                let ptr = chunk_ptr(row, 64 * h, &mut buf);
-                // SAFETY: `chunk_ptr` gives 64 readable bytes
-                unsafe { _mm512_loadu_si512(ptr.cast()) }
-            };
-            let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
-            let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
-            #[allow(clippy::needless_range_loop)]
-            for k in 0..N {
-                // SAFETY: chunk h's 128 bytes are in each row of `xs`
-                unsafe {
-                    let x = xs.bytes[k].as_ptr().add(128 * h);
-                    let xlo = _mm512_loadu_si512(x.cast());
-                    let xhi = _mm512_loadu_si512(x.add(64).cast());
-                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
-                    p[k][r] = _mm512_dpbusd_epi32(s, hi, xhi);
-                }
-            }
-        }
-        let mut t = [[_mm512_setzero_si512(); 4]; N];
-        for k in 0..N {
-            // SAFETY: AVX-512 F present
-            t[k] = unsafe { transpose_add_16(&p[k]) };
-        }
-        for i in 0..4.min(blocks - 4 * h) {
-            let c = 4 * h + i;
-            for (k, tk) in t.iter().enumerate() {
-                let exact = _mm512_sub_epi32(tk[i], _mm512_set1_epi32(xs.bias[k][c]));
-                let s = _mm512_set1_ps(xs.step[k][c]);
-                ga[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, ga[k]);
-            }
-            left -= 1;
-            if left == 0 || c + 1 == blocks {
-                if g % 16 == 0 {
-                    // SAFETY: g < groups, whose scales every row holds (caller)
-                    sbuf = unsafe { scales_512(scales, g, groups) };
-                }
-                let w = sbuf[g % 16];
-                for k in 0..N {
-                    acc[k] = _mm512_fmadd_ps(ga[k], w, acc[k]);
-                    ga[k] = _mm512_setzero_ps();
-                }
-                (g, left) = (g + 1, gblocks);
-            }
-        }
-    }
-    for (o, v) in out.iter_mut().zip(acc) {
-        // SAFETY: 16 f32
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-    }
+/// Whether the CPU has AVX-512 VBMI (`vpermb`), which the AVX-512 tier's generation kernel
+/// uses when it is there (same bytes, fewer instructions).
+fn vbmi() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        is_x86_feature_detected!("avx512vbmi") && std::env::var_os("CM_NOVBMI").is_none()
+    })
 }
+
+/// The AVX-512 kernel over a tile of 16 weight rows: `$name`, with `$features`, turning a
+/// chunk of codes into its low- and high-nibble bytes through the table with
+/// `$nibbles(codes, table, 0x0f)`. Two instances: `vpshufb` on the nibbles masked to 4 bits,
+/// and, where the CPU has AVX-512 VBMI, `vpermb` (which reads 6 bits of each index, and
+/// the table is repeated in all four 16-byte lanes, so no mask is needed: three
+/// instructions for the pair instead of five). The same bytes either way.
+macro_rules! tile_512 {
+    ($name:ident, $features:literal, $nibbles:expr) => {
+        /// # Safety
+        /// AVX-512 F, BW, VL and VNNI and FMA present; `xs` holds `blocks.div_ceil(4)` chunks of
+        /// 128 bytes a row and `blocks` steps and biases; every row's scales are in `scales`;
+        /// `shape.per` is 4 and `shape.gblocks > 0`; when `TILED`, `codes` are in the tiled
+        /// layout (`codes[q]` starts at vector `q` of the tile's first chunk, and chunk `h`'s
+        /// is `ROWS · 64 · h` further, see [`tile`]) and every `codes[q]` holds
+        /// `(blocks.div_ceil(4) - 1) · ROWS · 64 + 64` bytes.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const N: usize, const TILED: bool>(
+            shape: &Shape,
+            codes: &[&[u8]; ROWS],
+            xs: &Xs<'_, N>,
+            scales: &TileScales<'_>,
+            out: &mut [[f32; ROWS]; N],
+        ) {
+            let (blocks, gblocks) = (shape.blocks, shape.gblocks);
+            // SAFETY: the table is 16 bytes
+            let table16 = unsafe { _mm_loadu_si128(shape.table.as_ptr().cast()) };
+            let table = _mm512_broadcast_i32x4(table16);
+            let low = _mm512_set1_epi8(0x0f);
+            let groups = blocks.div_ceil(gblocks);
+            // the group being summed, and its blocks still to come
+            let (mut g, mut left) = (0, gblocks);
+            let mut sbuf = [_mm512_setzero_ps(); 16];
+            let mut acc = [_mm512_setzero_ps(); N];
+            let mut ga = [_mm512_setzero_ps(); N];
+            let mut buf = [0u8; 64];
+            let chunks = blocks.div_ceil(4);
+            // chunks every row holds whole: read in place (all of them in the tiled layout)
+            let full = if TILED {
+                chunks
+            } else {
+                codes
+                    .iter()
+                    .map(|r| r.len() / 64)
+                    .min()
+                    .unwrap_or(0)
+                    .min(chunks)
+            };
+            // chunk after chunk: in the tiled layout each vector of codes holds four bytes of
+            // each of the 16 rows, which meet four bytes of `x`, broadcast, so a lane sums
+            // one row and a block's four vectors give its 16 rows' sums directly; in the
+            // storage layout each of the 16 rows' products is kept in registers and
+            // transposed at once
+            for h in 0..chunks {
+                let t = if TILED {
+                    // block i: vectors 4i..4i + 4, the low and the high nibbles' sums
+                    let mut t = [[_mm512_setzero_si512(); 4]; N];
+                    for i in 0..4 {
+                        let mut sl = [_mm512_setzero_si512(); N];
+                        let mut sh = [_mm512_setzero_si512(); N];
+                        for q in 4 * i..4 * i + 4 {
+                            let at = codes[q].as_ptr().wrapping_add(ROWS * 64 * h);
+                            // a hint only: it never faults, past the tile's end included
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(TILED_AHEAD).cast());
+                            // SAFETY: codes[q] holds (chunks - 1) · ROWS · 64 + 64 bytes
+                            // (caller)
+                            let v = unsafe { _mm512_loadu_si512(at.cast()) };
+                            let (lo, hi) = $nibbles(v, table, low);
+                            for k in 0..N {
+                                // SAFETY: chunk h's 128 bytes are in each row of `xs`
+                                unsafe {
+                                    let x = xs.bytes[k].as_ptr().add(128 * h + 4 * q).cast::<i32>();
+                                    let xl = _mm512_set1_epi32(x.read_unaligned());
+                                    let xh = _mm512_set1_epi32(x.add(16).read_unaligned());
+                                    sl[k] = _mm512_dpbusd_epi32(sl[k], lo, xl);
+                                    sh[k] = _mm512_dpbusd_epi32(sh[k], hi, xh);
+                                }
+                            }
+                        }
+                        for k in 0..N {
+                            t[k][i] = _mm512_add_epi32(sl[k], sh[k]);
+                        }
+                    }
+                    t
+                } else {
+                    let mut p = [[_mm512_setzero_si512(); ROWS]; N];
+                    for (r, row) in codes.iter().enumerate() {
+                        let v = if h < full {
+                            let at = row.as_ptr().wrapping_add(64 * h);
+                            // a hint only: it never faults, past the row's end included
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(shape.ahead).cast());
+                            // SAFETY: h < full: the row holds bytes 64h..64h + 64
+                            unsafe { _mm512_loadu_si512(at.cast()) }
+                        } else {
+                            let ptr = chunk_ptr(row, 64 * h, &mut buf);
+                            // SAFETY: `chunk_ptr` gives 64 readable bytes
+                            unsafe { _mm512_loadu_si512(ptr.cast()) }
+                        };
+                        let (lo, hi) = $nibbles(v, table, low);
+                        #[allow(clippy::needless_range_loop)]
+                        for k in 0..N {
+                            // SAFETY: chunk h's 128 bytes are in each row of `xs`
+                            unsafe {
+                                let x = xs.bytes[k].as_ptr().add(128 * h);
+                                let xlo = _mm512_loadu_si512(x.cast());
+                                let xhi = _mm512_loadu_si512(x.add(64).cast());
+                                let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo);
+                                p[k][r] = _mm512_dpbusd_epi32(s, hi, xhi);
+                            }
+                        }
+                    }
+                    let mut t = [[_mm512_setzero_si512(); 4]; N];
+                    for k in 0..N {
+                        // SAFETY: AVX-512 F present
+                        t[k] = unsafe { transpose_add_16(&p[k]) };
+                    }
+                    t
+                };
+                for i in 0..4.min(blocks - 4 * h) {
+                    let c = 4 * h + i;
+                    for (k, tk) in t.iter().enumerate() {
+                        let (b, st) = (xs.bias[k], xs.step[k]);
+                        // SAFETY: c < blocks: each row of `xs` holds a bias and a step for it
+                        let (bias, step) = unsafe { (*b.get_unchecked(c), *st.get_unchecked(c)) };
+                        let exact = _mm512_sub_epi32(tk[i], _mm512_set1_epi32(bias));
+                        let s = _mm512_set1_ps(step);
+                        ga[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), s, ga[k]);
+                    }
+                    left -= 1;
+                    if left == 0 || c + 1 == blocks {
+                        if g % 16 == 0 {
+                            // SAFETY: g < groups, whose scales every row holds (caller)
+                            sbuf = unsafe { scales_512(scales, g, groups) };
+                        }
+                        let w = sbuf[g % 16];
+                        for k in 0..N {
+                            acc[k] = _mm512_fmadd_ps(ga[k], w, acc[k]);
+                            ga[k] = _mm512_setzero_ps();
+                        }
+                        (g, left) = (g + 1, gblocks);
+                    }
+                }
+            }
+            for (o, v) in out.iter_mut().zip(acc) {
+                // SAFETY: 16 f32
+                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+            }
+        }
+    };
+}
+
+tile_512!(
+    tile_avx512,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
+    |v: __m512i, table: __m512i, low: __m512i| (
+        _mm512_shuffle_epi8(table, _mm512_and_si512(v, low)),
+        _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(v), low))
+    )
+);
+tile_512!(
+    tile_avx512_vbmi,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma",
+    |v: __m512i, table: __m512i, _low: __m512i| (
+        _mm512_permutexvar_epi8(v, table),
+        _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(v), table)
+    )
+);
 
 /// Eight vectors, one a weight row, each with four lanes for each of two blocks, added
 /// and transposed into two vectors, one a block, lane `r` row `r`'s sum.
@@ -1162,14 +1256,17 @@ mod tests {
         for t in 0..rows.div_ceil(ROWS) {
             for h in 0..chunks {
                 for r in 0..ROWS {
-                    let at = ((t * chunks + h) * ROWS + r) * 64;
                     let row = view.codes_of(t * ROWS + r);
                     let want = row.get(64 * h..64 * h + 64).unwrap_or(&[0; 64]);
-                    assert_eq!(
-                        &tiled.codes[at..at + 64],
-                        want,
-                        "tile {t} chunk {h} row {r}"
-                    );
+                    for (q, four) in want.chunks(4).enumerate() {
+                        let at = ((t * chunks + h) * ROWS + q) * 64 + 4 * r;
+                        assert_eq!(
+                            &tiled.codes[at..at + 4],
+                            four,
+                            "tile {t} chunk {h} row {r} bytes {}",
+                            4 * q
+                        );
+                    }
                 }
             }
         }
