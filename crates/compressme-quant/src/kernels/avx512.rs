@@ -7,10 +7,13 @@
 //! *class*); then each lane is converted to f32, scaled, and accumulated, and the eight
 //! lanes are summed at the end. These kernels compute the same eight exact class sums by
 //! other means and then run the same f32 operations in the same order:
-//! - **8-bit codes** (`vpdpwssd`): codes widened to `i16` meet the 14-bit activations 32
-//!   at a time; lane `m` of the 16 holds the pair at positions `2m, 2m + 1`, class
-//!   `m mod 8`, so adding the upper half of the register to the lower gives the eight
-//!   class sums.
+//! - **8-bit codes** (`vpdpwssd`, the F16/BF16 and small-batch paths): codes widened to
+//!   `i16` meet the 14-bit activations 32 at a time; lane `m` of the 16 holds the pair at
+//!   positions `2m, 2m + 1`, class `m mod 8`, so adding the upper half of the register to
+//!   the lower gives the eight class sums. At batch 1 in groups of 64 or more, where the
+//!   CPU has AVX-512 VBMI, they run as stored instead (`vpdpbusd`, 64 byte products an
+//!   instruction): biased to unsigned bytes and put in a layout with one class a lane by
+//!   one `vpermb`, against `x` split into bytes as for the 4-bit codes below.
 //! - **4-bit codes** (`vpdpbusd`, 64 byte products an instruction), at batch 1 in groups
 //!   of 64 and of whole chunks of 128 (the per-row formats' 1,024 columns included):
 //!   codes decode through the table plus 128 to unsigned bytes `u = w + 128`, and each
@@ -37,13 +40,14 @@ use std::arch::x86_64::{
     _mm512_cvtepi32_ps, _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32,
     _mm512_dpwssd_epi32, _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
     _mm512_loadu_ps, _mm512_loadu_si512, _mm512_maskz_loadu_epi8, _mm512_maskz_loadu_epi16,
-    _mm512_maskz_loadu_epi32, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_set1_ps,
-    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
-    _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_maskz_loadu_epi32, _mm512_permutexvar_epi8, _mm512_permutexvar_epi64, _mm512_set1_epi8,
+    _mm512_set1_ps, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512,
+    _mm512_shuffle_epi8, _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_xor_si512,
 };
 
 use super::avx2::{self, following, hsum};
-use super::split::{CHUNK, PAIR, PAIR_ORDER, SplitX};
+use super::split::{BYTE_ORDER, CHUNK, PAIR, PAIR_ORDER, SplitX};
 use super::{RowScales, RowsView};
 
 /// Proof that the CPU has AVX-512 F, BW, VL and VNNI, besides what the AVX2 tier needs.
@@ -101,12 +105,15 @@ pub(super) fn dot_groups<const N: usize>(
 }
 
 /// Rows `first..first + out.len()` of an integer matrix against one `x` row, four rows a
-/// call, the same bits as the AVX2 tier's `dot_rows`. 8-bit codes run the AVX2 code: at
-/// batch 1 they are bound by reading the codes, and `vpdpwssd` (one 5-cycle chain a row
-/// where the AVX2 code's add is 1 cycle) measured slower, most of all in groups of 32
-/// (4096 x 4096: 1.16 against 0.94 ms). `split` is `x` split for the 4-bit
-/// kernel ([`SplitX::new`] with the matrix's group); without it, or for a group size this
-/// tier has no kernel for, the AVX2 tier runs.
+/// call, the same bits as the AVX2 tier's `dot_rows`. `split` is `x` split for the 4-bit
+/// kernel ([`SplitX::new`] with the matrix's group) or, where the CPU has AVX-512 VBMI, for
+/// the 8-bit one ([`SplitX::new_bytes`], groups of 64 and more: the per-row formats'
+/// 1,024 columns included); without it, or for a group size this tier has no kernel for,
+/// the AVX2 tier runs. (8-bit codes widened and multiplied with `vpdpwssd`, one 5-cycle
+/// chain a row where the AVX2 code's add is 1 cycle, measured slower than the AVX2 code,
+/// most of all in groups of 32: 4096 x 4096, 1.16 against 0.94 ms; `vpdpbusd` on the
+/// codes as stored, in [`byte_rows_imp`], measured 0.254-0.265 against 0.277-0.284 ms on
+/// Zen 5.)
 pub(super) fn dot_rows(
     t: Token,
     v: &RowsView<'_>,
@@ -125,8 +132,96 @@ pub(super) fn dot_rows(
                 unsafe { nibble_rows_imp(codes, lut, sx, group, scales) }
             });
         }
+        (None, Some(sx)) if rows_fit && sx.per_byte == 1 && sx.covers(rb, group) && vbmi() => {
+            in_quads!(v, first, out, |codes, scales| {
+                // SAFETY: the token proves the features and `vbmi` VBMI; every row is `rb`
+                // bytes and `sx` covers the vectors and groups of such a row.
+                unsafe { byte_rows_imp(codes, sx, group, scales) }
+            });
+        }
         _ => avx2::dot_rows(t.avx2(), v, first, x, out),
     }
+}
+
+/// Whether the CPU has AVX-512 VBMI (`vpermb`, a byte permute across the whole register),
+/// which the 8-bit batch-1 kernel ([`byte_rows_imp`]) and the AVX-512 generation kernel
+/// of `rows8` use when it is there.
+pub(super) fn vbmi() -> bool {
+    is_x86_feature_detected!("avx512vbmi")
+}
+
+/// `M` rows of 8-bit codes against one row of `x` split into bytes ([`SplitX::new_bytes`]),
+/// 64 codes a step with `vpdpbusd`: the codes biased to unsigned bytes (`u = c + 128`) and
+/// put in the bytes layout with one `vpermb` ([`BYTE_ORDER`]), so each 32-bit lane sums
+/// four products of one class and the two 256-bit halves added are the eight class sums
+/// of the AVX2 tier: `Σ c·x = Σ u·xl + 256 · Σ u·xh − 128 · Σ x`, exact in `i32`, then the
+/// same `fma` a group, so the same bits. The codes are read as stored: no widening to
+/// `i16`, and a quarter of the AVX2 code's instructions a weight.
+///
+/// # Safety
+/// The token's features and AVX-512 VBMI present; `group` a multiple of 64, `sx` split in
+/// bytes for it and covering the shortest row ([`SplitX::covers`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
+unsafe fn byte_rows_imp<const M: usize>(
+    codes: [&[u8]; M],
+    sx: &SplitX,
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let len = codes.iter().map(|r| r.len()).min().unwrap_or(0);
+    let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
+    let (vectors, per_group) = (len.div_ceil(64), (group / 64).max(1));
+    // SAFETY: `BYTE_ORDER` is 64 bytes
+    let order = unsafe { _mm512_loadu_si512(BYTE_ORDER.as_ptr().cast()) };
+    let bias = _mm512_set1_epi8(i8::MIN);
+    let zero = _mm512_setzero_si512();
+    let next = following(&codes);
+    let mut f = [_mm256_setzero_ps(); M];
+    let (mut l, mut h) = ([zero; M], [zero; M]);
+    let (mut g, mut in_group) = (0, 0);
+    for v in 0..vectors {
+        let n = (len - 64 * v).min(64);
+        let mask: u64 = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+        // the next rows' codes (as many bytes as these rows' step reads)
+        for k in 0..M {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * 64 * v + 64 * k));
+        }
+        // SAFETY: bytes 64v..64v + 64 of `xl` and `xh` are in range (caller: `sx` covers
+        // the row)
+        let (xl, xh) = unsafe {
+            (
+                _mm512_loadu_si512(sx.xl.as_ptr().add(64 * v).cast()),
+                _mm512_loadu_si512(sx.xh.as_ptr().add(64 * v).cast()),
+            )
+        };
+        for ((lm, hm), r) in l.iter_mut().zip(h.iter_mut()).zip(&codes) {
+            // SAFETY: the selected bytes, 64v..64v + n, are within the row (the rest are
+            // not read; as 128 they meet zeros in `x`)
+            let c = unsafe { _mm512_maskz_loadu_epi8(mask, r.as_ptr().add(64 * v).cast()) };
+            let u = _mm512_xor_si512(_mm512_permutexvar_epi8(order, c), bias);
+            *lm = _mm512_dpbusd_epi32(*lm, u, xl);
+            *hm = _mm512_dpbusd_epi32(*hm, u, xh);
+        }
+        in_group += 1;
+        if in_group < per_group && v + 1 < vectors {
+            continue;
+        }
+        for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
+            if g < groups {
+                let sums = _mm512_add_epi32(*lm, _mm512_slli_epi32::<8>(*hm));
+                let classes = _mm256_add_epi32(
+                    _mm512_castsi512_si256(sums),
+                    _mm512_extracti64x4_epi64::<1>(sums),
+                );
+                // SAFETY: a group the row reaches, which `sx` covers (caller)
+                let cg = _mm512_castsi512_si256(unsafe { corr_of(sx, g, false) });
+                flush(fm, _mm256_sub_epi32(classes, cg), s.get(g));
+            }
+            (*lm, *hm) = (zero, zero);
+        }
+        (g, in_group) = (g + 1, 0);
+    }
+    f.map(|v| hsum(v))
 }
 
 /// The eight class sums of a 16-lane `vpdpwssd` accumulator: lane `m` holds class

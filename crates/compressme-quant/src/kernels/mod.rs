@@ -347,6 +347,13 @@ impl Isa {
                     split: Some(split::SplitX::new(x, v.group)),
                 }
             }
+            // 8-bit codes: the AVX-512 tier's `vpdpbusd` kernel, which needs `vpermb`
+            Self::Avx512(_) if v.lut.is_none() && split::splits(v.group) && avx512::vbmi() => {
+                RowX {
+                    x,
+                    split: Some(split::SplitX::new_bytes(x, v.group)),
+                }
+            }
             _ => RowX {
                 x,
                 #[cfg(target_arch = "x86_64")]

@@ -520,7 +520,7 @@ fn dots<const N: usize>(
         Kind::Avx512(_) => {
             // SAFETY: above
             unsafe {
-                match (shape.stride == 64, vbmi()) {
+                match (shape.stride == 64, super::avx512::vbmi()) {
                     (true, false) => tile_avx512::<N, false>(shape, codes, &xs, scales, &mut out),
                     (false, false) => tile_avx512::<N, true>(shape, codes, &xs, scales, &mut out),
                     (true, true) => {
@@ -799,15 +799,6 @@ unsafe fn transpose_add_16(p: &[__m512i; ROWS]) -> [__m512i; 4] {
         _mm512_shuffle_i32x4::<0b10_00_10_00>(t1, t3),
         _mm512_shuffle_i32x4::<0b11_01_11_01>(t1, t3),
     ]
-}
-
-/// Whether the CPU has AVX-512 VBMI (`vpermb`), which the AVX-512 tier's generation kernel
-/// uses when it is there (same bytes, fewer instructions).
-fn vbmi() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        is_x86_feature_detected!("avx512vbmi") && std::env::var_os("CM_NOVBMI").is_none()
-    })
 }
 
 /// The AVX-512 kernel over a tile of 16 weight rows: `$name`, with `$features`, turning a
