@@ -1,6 +1,7 @@
 //! One format's product (4096 x 4096) on each SIMD tier, interleaved, for profiling a
 //! kernel: `cargo run --release -p compressme-benches --example tier_probe -- FORMAT
-//! [REPS [TIER|all [BATCH [ACTIVATIONS]]]]` (defaults `nf4-g64 200 all 1 auto`;
+//! [REPS [TIER|all [BATCH [ACTIVATIONS [SIZE]]]]]` (defaults `nf4-g64 200 all 1 auto 4096`,
+//! the matrix SIZE x SIZE;
 //! ACTIVATIONS is `auto`, `14`, `8` or `both`, the last interleaving 14- and 8-bit
 //! activations); prints each tier's best time, and a checksum of the last output's bits (so
 //! two settings of one binary, e.g. `COMPRESSME_REPACK=0`, can be seen to give the same).
@@ -26,8 +27,11 @@ fn main() -> Result<(), String> {
         Some("both") => vec![Activations::Fixed14, Activations::Block8],
         Some(a) => vec![Activations::from_name(a).ok_or(format!("activations {a}?"))?],
     };
+    let n: usize = args
+        .next()
+        .map_or(Ok(4096), |v| v.parse())
+        .map_err(|e| format!("{e}"))?;
     let format = Format::parse(&name).map_err(|e| e.to_string())?;
-    let n = 4096;
     let w = quantize(&matrix(MatrixKind::Gaussian, n, n, 1), n, n, format)
         .map_err(|e| e.to_string())?;
     let x = matrix(MatrixKind::Gaussian, batch, n, 2);

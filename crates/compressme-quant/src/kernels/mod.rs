@@ -284,6 +284,15 @@ pub fn activations_for(format: Format) -> Result<Activations> {
     })
 }
 
+/// The fewest 8-bit codes (weights) a matrix has for the AVX-512 tier's batch-1 `vpdpbusd`
+/// kernel ([`avx512`]'s `byte_rows_imp`): below it, splitting `x` each product costs more
+/// than the kernel saves. `tier_probe int8 3000 all 1 auto N` on Zen 5, one thread, that
+/// kernel against the AVX2 code: N = 576 0.010 against 0.007 ms, 1,024 0.021 against
+/// 0.019, 1,536 0.041 both, 2,048 0.067 against 0.069, 3,072 0.130 against 0.146, 4,096
+/// 0.238 against 0.259.
+#[cfg(target_arch = "x86_64")]
+const SPLIT8_MIN_CODES: usize = 1 << 22;
+
 /// The instruction set a call runs with.
 #[derive(Debug, Clone, Copy)]
 enum Isa {
@@ -347,8 +356,14 @@ impl Isa {
                     split: Some(split::SplitX::new(x, v.group)),
                 }
             }
-            // 8-bit codes: the AVX-512 tier's `vpdpbusd` kernel, which needs `vpermb`
-            Self::Avx512(_) if v.lut.is_none() && split::splits(v.group) && avx512::vbmi() => {
+            // 8-bit codes: the AVX-512 tier's `vpdpbusd` kernel, which needs `vpermb`, on a
+            // matrix large enough to pay for splitting `x`
+            Self::Avx512(_)
+                if v.lut.is_none()
+                    && split::splits(v.group)
+                    && v.codes.len() >= SPLIT8_MIN_CODES
+                    && avx512::vbmi() =>
+            {
                 RowX {
                     x,
                     split: Some(split::SplitX::new_bytes(x, v.group)),
@@ -1584,6 +1599,46 @@ mod tests {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{format} batch {batch}"
                 );
+            }
+        }
+    }
+
+    /// The AVX-512 tier's 8-bit batch-1 kernel (`vpdpbusd` on the codes as stored, which
+    /// `matmul` runs on large matrices only) gives the AVX2 code's bits, called directly
+    /// on small ones: per-row and group-64 scales, one and several groups, part vectors,
+    /// four rows and one, extreme codes and activations.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx512_byte_kernel_gives_the_avx2_bits() {
+        let test = "the_avx512_byte_kernel_gives_the_avx2_bits";
+        let (Some(t), Some(t2)) = (avx512::Token::detect(), avx2::Token::detect()) else {
+            eprintln!("skipped: {test} (this CPU lacks AVX-512 VNNI)");
+            return;
+        };
+        if !avx512::vbmi() {
+            eprintln!("skipped: {test} (this CPU lacks AVX-512 VBMI)");
+            return;
+        }
+        let rows = 5;
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for format in [Format::Int8, Format::Int8Block(crate::GroupSize::G64)] {
+            for cols in [16, 48, 64, 80, 1024, 1040, 2112] {
+                let w: Vec<f32> = (0..rows * cols)
+                    .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
+                    .collect();
+                let q = crate::quantize(&w, rows, cols, format).unwrap();
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| ((i * 104_729 % 2001) as f32) / 500.0 - 2.0)
+                    .collect();
+                let fx = FixedX::new(Isa::Portable, &x, 1, cols, false).unwrap();
+                let view = RowsView::new(&q, fx.kp);
+                let sx = split::SplitX::new_bytes(fx.row(0), view.group);
+                assert!(sx.covers(view.row_bytes, view.group), "{format:?} {cols}");
+                let (mut want, mut got) = (vec![0f32; rows], vec![0f32; rows]);
+                avx2::dot_rows(t2, &view, 0, fx.row(0), &mut want);
+                avx512::dot_rows(t, &view, 0, fx.row(0), Some(&sx), &mut got);
+                assert_eq!(bits(&got), bits(&want), "{format:?}, {cols} columns");
+                assert!(want.iter().all(|v| *v != 0.0), "{format:?}, {cols} columns");
             }
         }
     }
