@@ -206,22 +206,46 @@ unsafe fn byte_rows_imp<const M: usize>(
         if in_group < per_group && v + 1 < vectors {
             continue;
         }
-        for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
-            if g < groups {
-                let sums = _mm512_add_epi32(*lm, _mm512_slli_epi32::<8>(*hm));
-                let classes = _mm256_add_epi32(
-                    _mm512_castsi512_si256(sums),
-                    _mm512_extracti64x4_epi64::<1>(sums),
-                );
-                // SAFETY: a group the row reaches, which `sx` covers (caller)
-                let cg = _mm512_castsi512_si256(unsafe { corr_of(sx, g, false) });
-                flush(fm, _mm256_sub_epi32(classes, cg), s.get(g));
-            }
-            (*lm, *hm) = (zero, zero);
-        }
+        // SAFETY: a group the rows reach, which `sx` covers (caller)
+        unsafe { flush_split_group(&mut f, &mut l, &mut h, sx, g, groups, &scales) };
         (g, in_group) = (g + 1, 0);
     }
     f.map(|v| hsum(v))
+}
+
+/// The end of group `g` of split sums ([`SplitX`]): for each row, the low and high parts'
+/// sums put together (`l + 256 · h`), the two 256-bit halves added into the eight class
+/// sums, `128 · Σ x` taken off, and the AVX2 tier's [`flush`] with the row's scale; the
+/// sums zeroed for the next group. Rows past their `groups` scales only have their sums
+/// zeroed.
+///
+/// # Safety
+/// The token's features present; `sx` holds group `g`'s corrections when `g < groups`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn flush_split_group<const M: usize>(
+    f: &mut [__m256; M],
+    l: &mut [__m512i; M],
+    h: &mut [__m512i; M],
+    sx: &SplitX,
+    g: usize,
+    groups: usize,
+    scales: &[RowScales<'_>; M],
+) {
+    for (((fm, lm), hm), s) in f.iter_mut().zip(l).zip(h).zip(scales) {
+        if g < groups {
+            let sums = _mm512_add_epi32(*lm, _mm512_slli_epi32::<8>(*hm));
+            let classes = _mm256_add_epi32(
+                _mm512_castsi512_si256(sums),
+                _mm512_extracti64x4_epi64::<1>(sums),
+            );
+            // SAFETY: g < groups: a group `sx` holds (caller)
+            let cg = _mm512_castsi512_si256(unsafe { corr_of(sx, g, false) });
+            flush(fm, _mm256_sub_epi32(classes, cg), s.get(g));
+        }
+        (*lm, *hm) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    }
 }
 
 /// The eight class sums of a 16-lane `vpdpwssd` accumulator: lane `m` holds class
@@ -417,19 +441,8 @@ unsafe fn nibble_rows_imp<const M: usize>(
             if in_group < chunks_a_group && done < runs {
                 continue;
             }
-            for (((fm, lm), hm), s) in f.iter_mut().zip(&mut l).zip(&mut h).zip(&scales) {
-                if g < groups {
-                    let sums = _mm512_add_epi32(*lm, _mm512_slli_epi32::<8>(*hm));
-                    let classes = _mm256_add_epi32(
-                        _mm512_castsi512_si256(sums),
-                        _mm512_extracti64x4_epi64::<1>(sums),
-                    );
-                    // SAFETY: a group the row reaches, which `sx` covers (caller)
-                    let cg = _mm512_castsi512_si256(unsafe { corr_of(sx, g, false) });
-                    flush(fm, _mm256_sub_epi32(classes, cg), s.get(g));
-                }
-                (*lm, *hm) = (zero, zero);
-            }
+            // SAFETY: a group the rows reach, which `sx` covers (caller)
+            unsafe { flush_split_group(&mut f, &mut l, &mut h, sx, g, groups, &scales) };
             (g, in_group) = (g + 1, 0);
         }
     }
