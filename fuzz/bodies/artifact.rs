@@ -32,6 +32,11 @@ pub(crate) fn run(data: &[u8]) {
             let _ = a.read_stored(&t.name);
         }
         let _ = a.verify();
-        let _ = compressme_artifact::unpack(&mut a, &dir.join("out.safetensors"), |_, _| {});
+        let _ = compressme_artifact::unpack(
+            &mut a,
+            &dir.join("out.safetensors"),
+            compressme_artifact::Durability::Cached,
+            |_, _| {},
+        );
     }
 }

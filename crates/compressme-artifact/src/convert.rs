@@ -10,7 +10,7 @@ use compressme_blockstore::ValueKind;
 use crate::Result;
 use crate::read::{Artifact, STREAM_BYTES, Streamed, Summary};
 use crate::recipe::TensorRecipe;
-use crate::st::{AtomicFile, Dtype, Planned, header_bytes};
+use crate::st::{AtomicFile, Dtype, Durability, Planned, header_bytes};
 use crate::validate::decoded_bytes;
 
 /// The block store's value kind for a dtype.
@@ -94,13 +94,15 @@ pub fn from_f32(dtype: Dtype, values: &[f32]) -> Vec<u8> {
 /// Writes a plain safetensors file from an artifact: every tensor under its own name and
 /// dtype, byte-identical to the original for dense and lossless storage (dequantized for
 /// quantized tensors), with the source's `__metadata__`. Streams a tensor at a time;
-/// written beside `dest` and renamed when complete.
+/// written beside `dest` and renamed when complete (synced to the disk first with
+/// [`Durability::Synced`]).
 ///
 /// # Errors
 /// Any read or verification error (nothing is left at `dest`).
 pub fn unpack(
     artifact: &mut Artifact,
     dest: &Path,
+    durability: Durability,
     mut progress: impl FnMut(&str, u64),
 ) -> Result<Summary> {
     let tensors = artifact.recipe().tensors.clone();
@@ -119,6 +121,7 @@ pub fn unpack(
         .collect();
     let header = header_bytes(&planned, &artifact.recipe().source_metadata)?;
     let mut out = AtomicFile::create(dest)?;
+    out.set_durability(durability);
     out.write_all(&header)?;
     // every tensor's place in the file is known from the header: tensors are decoded in
     // parallel, each written at its offset as it streams, so writing overlaps decoding
@@ -146,7 +149,7 @@ pub fn unpack(
     };
     let mut s = Summary::default();
     let mut names = tensors.iter().zip(&planned);
-    crate::pipeline::ordered(items, weight, STREAM_BYTES as u64, work, |streamed| {
+    crate::pipeline::ordered_light(items, weight, STREAM_BYTES as u64, work, |streamed| {
         let Some((t, p)) = names.next() else {
             return Ok(());
         };

@@ -66,8 +66,8 @@ pub use read::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, Summary};
 pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
 pub use source::Checkpoint;
 pub use st::{
-    AtomicFile, Dtype, EXPANSION_FLOOR, Entry, Limits, Mapped, Planned, SafetensorsFile,
-    header_bytes, remove_temporaries,
+    AtomicFile, Dtype, Durability, EXPANSION_FLOOR, Entry, Limits, Mapped, Planned,
+    SafetensorsFile, header_bytes, remove_temporaries,
 };
 pub use validate::{blocks_name, codes_name, mins_name, scales_name};
 pub use write::{Added, Input, Prepared, Storage, Writer};

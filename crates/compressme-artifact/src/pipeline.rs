@@ -28,6 +28,52 @@ pub fn ordered<I, T>(
     weight: impl Fn(&I) -> u64,
     budget: u64,
     work: impl Fn(I) -> Result<T> + Sync,
+    sink: impl FnMut(T) -> Result<()>,
+) -> Result<()>
+where
+    I: Send,
+    T: Send,
+{
+    run(items, weight, budget, Hold::UntilSunk, work, sink)
+}
+
+/// [`ordered`] for results that hold no memory of their own (a check's `()`, a count):
+/// an item's weight is released as soon as its `work` returns, not when `sink` takes
+/// its result. A slow item early in the order (one large tensor) then no longer holds
+/// up the admission of the items after it while it runs: `verify` and `unpack`, whose
+/// work streams a tensor and returns nothing it holds, keep both cores busy past it.
+///
+/// # Errors
+/// As [`ordered`].
+pub fn ordered_light<I, T>(
+    items: impl IntoIterator<Item = I>,
+    weight: impl Fn(&I) -> u64,
+    budget: u64,
+    work: impl Fn(I) -> Result<T> + Sync,
+    sink: impl FnMut(T) -> Result<()>,
+) -> Result<()>
+where
+    I: Send,
+    T: Send,
+{
+    run(items, weight, budget, Hold::UntilDone, work, sink)
+}
+
+/// Until when an item's weight counts against the budget.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Until `sink` has taken its result (the result holds the item's memory).
+    UntilSunk,
+    /// Until `work` returns.
+    UntilDone,
+}
+
+fn run<I, T>(
+    items: impl IntoIterator<Item = I>,
+    weight: impl Fn(&I) -> u64,
+    budget: u64,
+    hold: Hold,
+    work: impl Fn(I) -> Result<T> + Sync,
     mut sink: impl FnMut(T) -> Result<()>,
 ) -> Result<()>
 where
@@ -69,10 +115,15 @@ where
                 break; // everything admitted has been sunk, and nothing more will be
             }
             let Ok((i, w, r)) = rx.recv() else { break };
+            if hold == Hold::UntilDone {
+                in_flight = in_flight.saturating_sub(w);
+            }
             pending.insert(i, (w, r));
             while let Some((w, r)) = pending.remove(&next) {
                 next = next.saturating_add(1);
-                in_flight = in_flight.saturating_sub(w);
+                if hold == Hold::UntilSunk {
+                    in_flight = in_flight.saturating_sub(w);
+                }
                 let r = match r {
                     Ok(r) => r,
                     Err(panic) => {
@@ -96,8 +147,64 @@ where
 #[cfg(test)]
 mod tests {
     #![allow(clippy::arithmetic_side_effects, clippy::unwrap_used)]
-    use super::ordered;
+    use super::{ordered, ordered_light};
     use crate::Error;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// Three items of weight 5 under a budget of 10: the first waits (at most `patience`)
+    /// for the third to start; whether it saw it start.
+    fn third_starts_while_the_first_runs(light: bool, patience: Duration) -> bool {
+        let started = AtomicBool::new(false);
+        let seen = AtomicBool::new(false);
+        let work = |i: u64| {
+            if i == 0 {
+                let t0 = Instant::now();
+                while !started.load(Ordering::SeqCst) && t0.elapsed() < patience {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                seen.store(started.load(Ordering::SeqCst), Ordering::SeqCst);
+            } else if i == 2 {
+                started.store(true, Ordering::SeqCst);
+            }
+            Ok(i)
+        };
+        let mut got = Vec::new();
+        // a pool of its own: the caller's thread waits on results, the first item holds
+        // another, and the rest need one more
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        let sink = |r| {
+            got.push(r);
+            Ok(())
+        };
+        pool.install(|| {
+            if light {
+                ordered_light(0..3u64, |_| 5, 10, work, sink)
+            } else {
+                ordered(0..3u64, |_| 5, 10, work, sink)
+            }
+        })
+        .unwrap();
+        assert_eq!(got, [0, 1, 2]);
+        seen.load(Ordering::SeqCst)
+    }
+
+    #[test]
+    fn light_results_release_their_weight_when_their_work_returns() {
+        // the second item's weight goes when it returns, so the third starts while the
+        // first is still running; with `ordered` it waits until the first is sunk
+        assert!(third_starts_while_the_first_runs(
+            true,
+            Duration::from_secs(20)
+        ));
+        assert!(!third_starts_while_the_first_runs(
+            false,
+            Duration::from_millis(200)
+        ));
+    }
 
     #[test]
     fn results_come_in_order_under_the_budget() {

@@ -480,7 +480,7 @@ impl Artifact {
     }
 
     /// [`Artifact::verify`] (`decode`) or [`Artifact::check_stored`]: tensors in
-    /// parallel ([`crate::pipeline::ordered`]), at most [`STREAM_BYTES`] (or one tensor)
+    /// parallel ([`crate::pipeline::ordered_light`]), at most [`STREAM_BYTES`] (or one tensor)
     /// of stored bytes in flight, the first failure in the recipe's order reported.
     fn check(&self, decode: bool) -> Result<Summary> {
         let mut s = Summary {
@@ -489,7 +489,7 @@ impl Artifact {
         };
         let weight = |t: &&TensorRecipe| self.stored_bytes(t);
         let work = |t: &TensorRecipe| self.check_tensor(t, decode);
-        crate::pipeline::ordered(
+        crate::pipeline::ordered_light(
             self.recipe.tensors.iter(),
             weight,
             STREAM_BYTES as u64,

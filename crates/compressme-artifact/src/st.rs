@@ -707,6 +707,22 @@ fn remove_stale(dest: &Path, name: &str) {
 /// copying 4 MiB pieces into the page cache. zstd writes 32 KiB at a time.
 pub(crate) const WRITE_CHUNK: usize = 256 << 10;
 
+/// Whether a finished file is forced to the disk before it is renamed into place.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// Renamed into place once complete (and, for an artifact, checked); the kernel
+    /// writes it back when it will, as `zstd`, `cp` and the safetensors writers leave
+    /// their files. A power failure before the write-back may lose the new file (and, on
+    /// file systems that do not order a replacing rename after the data, the old file it
+    /// replaced); a crash of the process never leaves a partial file under the name.
+    #[default]
+    Cached,
+    /// `fsync` before the rename: the file is on the disk when the call returns, at the
+    /// cost of waiting for its write-back (26-29 ms of a 115 ms `unpack` of MiniLM f32
+    /// on the development VM, seconds for a multi-GB checkpoint).
+    Synced,
+}
+
 /// A file written beside its destination and renamed into place only when complete; it
 /// is removed if dropped before [`AtomicFile::commit`], by [`remove_temporaries`] (on a
 /// signal), or by a later `create` for the same destination once its process is gone.
@@ -715,6 +731,7 @@ pub struct AtomicFile {
     tmp: PathBuf,
     dest: PathBuf,
     file: Option<File>,
+    durability: Durability,
 }
 
 impl AtomicFile {
@@ -752,7 +769,13 @@ impl AtomicFile {
             tmp,
             dest: dest.to_path_buf(),
             file: Some(file),
+            durability: Durability::default(),
         })
+    }
+
+    /// Whether [`AtomicFile::commit`] syncs the file before the rename (not by default).
+    pub fn set_durability(&mut self, d: Durability) {
+        self.durability = d;
     }
 
     /// The temporary path (complete once written, before the rename).
@@ -869,12 +892,18 @@ impl AtomicFile {
         Ok(())
     }
 
-    /// Renames the finished file into place.
+    /// Renames the finished file into place, after flushing it (and syncing it with
+    /// [`Durability::Synced`]).
     ///
     /// # Errors
     /// [`Error::Io`].
     pub fn commit(mut self) -> Result<()> {
-        self.sync()?;
+        if let Some(f) = &mut self.file {
+            f.flush().map_err(io(&self.tmp))?;
+        }
+        if self.durability == Durability::Synced {
+            self.sync()?;
+        }
         self.file = None;
         let r = std::fs::rename(&self.tmp, &self.dest).map_err(io(&self.dest));
         if r.is_err() {

@@ -17,7 +17,7 @@ use crate::recipe::{
     FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe, TensorRecipe,
     VERSION, VERSION_KEY, hex, sha256_hex,
 };
-use crate::st::{AtomicFile, Dtype, Limits, Planned, header_bytes};
+use crate::st::{AtomicFile, Dtype, Durability, Limits, Planned, header_bytes};
 use crate::validate::{blocks_name, codes_name, mins_name, scales_name};
 use crate::{Error, Result};
 
@@ -145,6 +145,7 @@ pub struct Writer {
     names: HashSet<String>,
     recipe: Recipe,
     paranoid: bool,
+    durability: Durability,
 }
 
 impl Writer {
@@ -162,6 +163,7 @@ impl Writer {
             tensors: Vec::new(),
             names: HashSet::new(),
             paranoid: false,
+            durability: Durability::default(),
             recipe: Recipe {
                 format: FORMAT_NAME.into(),
                 version: VERSION,
@@ -182,6 +184,12 @@ impl Writer {
     /// encoder already decoded each block and compared it with the input).
     pub fn set_paranoid(&mut self, on: bool) {
         self.paranoid = on;
+    }
+
+    /// Whether [`Writer::finish`] syncs the file to the disk before the rename
+    /// ([`Durability`]; not by default).
+    pub fn set_durability(&mut self, d: Durability) {
+        self.durability = d;
     }
 
     /// Sends payloads straight to the destination, after `room` bytes kept for the
@@ -703,7 +711,7 @@ impl Writer {
         order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
         recipe.tensors = order.iter().map(|&i| self.tensors[i].clone()).collect();
         let header = header_bytes(&self.planned, &metadata(&recipe, &self.dest)?)?;
-        let out = match self.room {
+        let mut out = match self.room {
             Some(room) => {
                 // the payloads are in place after the room: the header fills it, padded
                 // with spaces; or, past it, the payloads move up first
@@ -726,7 +734,7 @@ impl Writer {
                 out
             }
         };
-        // checked from the page cache, then synced and renamed by `commit`
+        // checked from the page cache, then renamed (synced first when asked) by `commit`
         // the writer's own check is not bounded by the decoded-size limits (it encoded
         // these bytes itself); a reader's default limits may refuse a degenerate tensor,
         // which `Artifact::expansion` lets the caller warn about
@@ -742,6 +750,7 @@ impl Writer {
         } else {
             artifact.check_stored()?
         };
+        out.set_durability(self.durability);
         out.commit()?;
         Ok(summary)
     }

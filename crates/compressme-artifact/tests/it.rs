@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use compressme_artifact::{Artifact, Dtype, Error, Limits, Storage, Writer, unpack};
+use compressme_artifact::{Artifact, Dtype, Durability, Error, Limits, Storage, Writer, unpack};
 use compressme_blockstore::Coder;
 use compressme_quant::{Format, GroupSize};
 
@@ -140,7 +140,7 @@ fn round_trip_is_exact_and_deterministic() {
     }
     // unpack writes a plain safetensors file the safetensors crate reads
     let out = d.join("out.safetensors");
-    unpack(&mut art, &out, |_, _| {}).unwrap();
+    unpack(&mut art, &out, Durability::Synced, |_, _| {}).unwrap();
     let raw = std::fs::read(&out).unwrap();
     let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
     for (name, _, shape, bytes) in &tensors {
@@ -1084,7 +1084,7 @@ fn unpack_refuses_a_corrupt_block_and_leaves_nothing() {
     std::fs::write(&bad_path, &bad).unwrap();
     let mut b = Artifact::open(&bad_path, &Limits::default()).unwrap();
     let out = d.join("out.safetensors");
-    let err = unpack(&mut b, &out, |_, _| {}).unwrap_err();
+    let err = unpack(&mut b, &out, Durability::Cached, |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("emb.weight"), "{err}");
     assert!(!out.exists());
     let left: Vec<_> = std::fs::read_dir(&d)

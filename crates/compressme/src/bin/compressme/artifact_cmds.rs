@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use compressme::artifact::{
-    Artifact, Checkpoint, Dtype, Input as WriteInput, Limits, Storage, StorageRecipe, Writer,
-    recipe::sha256_hex, unpack,
+    Artifact, Checkpoint, Dtype, Durability, Input as WriteInput, Limits, Storage, StorageRecipe,
+    Writer, recipe::sha256_hex, unpack,
 };
 use compressme::blockstore::{Coder, SharedBytes};
 use compressme::quant::Format;
@@ -95,6 +95,11 @@ pub(crate) struct PackArgs {
     /// input).
     #[arg(long)]
     pub(crate) paranoid: bool,
+    /// Sync the artifact to the disk before renaming it into place (by default it is
+    /// renamed once complete and checked, and the kernel writes it back when it will, as
+    /// zstd and cp leave their files).
+    #[arg(long)]
+    pub(crate) fsync: bool,
 }
 
 enum Choice {
@@ -320,6 +325,7 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let mut w =
         Writer::create(&a.output).with_context(|| format!("creating {}", a.output.display()))?;
     w.set_paranoid(a.paranoid);
+    w.set_durability(durability(a.fsync));
     w.recipe_mut().source_metadata = metadata;
     w.recipe_mut().tokenizer_sha256 = tokenizer_sha;
     if let Some(p) = &profile {
@@ -560,7 +566,16 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is too large"))
 }
 
-pub(crate) fn unpack_cmd(artifact: &Path, out: &Path, limits: &Limits) -> Result<()> {
+/// `--fsync` as a [`Durability`].
+pub(crate) fn durability(fsync: bool) -> Durability {
+    if fsync {
+        Durability::Synced
+    } else {
+        Durability::Cached
+    }
+}
+
+pub(crate) fn unpack_cmd(artifact: &Path, out: &Path, limits: &Limits, fsync: bool) -> Result<()> {
     let t0 = Instant::now();
     let dest = if out.is_dir() {
         out.join("model.safetensors")
@@ -572,7 +587,7 @@ pub(crate) fn unpack_cmd(artifact: &Path, out: &Path, limits: &Limits) -> Result
     // bounded by the limits `open` checked
     let total: u64 = a.recipe().tensors.iter().map(|t| a.expansion(t).0).sum();
     let pb = bar(total);
-    let s = unpack(&mut a, &dest, |name, n| {
+    let s = unpack(&mut a, &dest, durability(fsync), |name, n| {
         pb.set_message(name.to_string());
         pb.inc(n);
     })

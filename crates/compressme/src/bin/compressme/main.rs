@@ -131,6 +131,11 @@ enum Command {
         /// The safetensors file to write, or a folder (model.safetensors in it).
         #[arg(short, long)]
         output: PathBuf,
+        /// Sync the file to the disk before renaming it into place (by default it is
+        /// renamed once complete and checked, and the kernel writes it back when it will,
+        /// as zstd and cp leave their files).
+        #[arg(long)]
+        fsync: bool,
         #[command(flatten)]
         limits: artifact_cmds::LimitArgs,
     },
@@ -323,8 +328,9 @@ fn run() -> Result<()> {
         Command::Unpack {
             artifact,
             output,
+            fsync,
             limits,
-        } => artifact_cmds::unpack_cmd(&artifact, &output, &limits.limits()),
+        } => artifact_cmds::unpack_cmd(&artifact, &output, &limits.limits(), fsync),
         Command::Generate(args) => lm_cmds::generate(&args),
         Command::Profile {
             model_dir,
