@@ -56,6 +56,43 @@ fn round_trip(input: &Path, d: &Path) -> (usize, serde_json::Value) {
 }
 
 #[test]
+fn fsync_writes_the_same_files() {
+    // `--fsync` only waits for the disk: the artifact and the unpacked file are the same
+    let d = tmp("fsync");
+    let input = root().join("fixtures/bert/tiny");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (a, b) = (d.join("a.cma"), d.join("b.cma"));
+    for (art, extra) in [(&a, None), (&b, Some("--fsync"))] {
+        let mut args = vec![
+            "pack".to_string(),
+            s(&input),
+            "--lossless".into(),
+            "-o".into(),
+            s(art),
+        ];
+        args.extend(extra.map(String::from));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, _, err) = run(&args);
+        assert!(ok, "{err}");
+    }
+    assert!(std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap());
+    let (x, y) = (d.join("x.safetensors"), d.join("y.safetensors"));
+    let (ok, _, err) = run(&["unpack", &s(&a), "-o", &s(&x)]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = run(&["unpack", "--fsync", &s(&a), "-o", &s(&y)]);
+    assert!(ok, "{err}");
+    assert!(std::fs::read(&x).unwrap() == std::fs::read(&y).unwrap());
+    assert_eq!(same_tensors(&input.join("model.safetensors"), &y), 37);
+    // nothing but the outputs is left beside them
+    let mut names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["a.cma", "b.cma", "x.safetensors", "y.safetensors"]);
+}
+
+#[test]
 fn tiny_bert_round_trip_and_inspect() {
     let d = tmp("tiny");
     let (n, inspect) = round_trip(&root().join("fixtures/bert/tiny"), &d);
