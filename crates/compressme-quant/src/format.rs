@@ -12,6 +12,7 @@
 )]
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use crate::{Error, Result};
 
@@ -623,59 +624,68 @@ pub fn quantize_weighted(
     let rb = format.row_code_bytes(cols);
     let ng = cols.div_ceil(g);
     let nf4 = matches!(format, Format::Nf4Block(_));
-    for (r, row) in w.chunks_exact(cols).enumerate() {
-        for (gi, (group, imp)) in row.chunks(g).zip(importance.chunks(g)).enumerate() {
-            let k = flat(r, ng, gi);
-            let (Some(&base), min) = (p.scales.get(k), p.mins.get(k).copied()) else {
-                continue;
-            };
-            if base <= 0.0 {
-                continue;
-            }
-            let code = |v: f32, s: f32| -> (u8, f32) {
-                if nf4 {
-                    let q = nf4_index(v / s);
-                    (
-                        q,
-                        NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0) * s,
-                    )
-                } else {
-                    let m = min.unwrap_or(0.0);
-                    let q = ((v - m) / s).round().clamp(0.0, 15.0) as u8;
-                    (q, m + f32::from(q) * s)
+    if p.scales.len() != rows.saturating_mul(ng) || p.codes.len() != rows.saturating_mul(rb) {
+        return Ok(p); // not the layout `quantize` makes: left as it made it
+    }
+    let mins = &p.mins;
+    // rows are independent: each row's scales and codes are its own, so the rows run on
+    // all cores and the result does not depend on how many
+    p.scales
+        .par_chunks_mut(ng.max(1))
+        .zip(p.codes.par_chunks_mut(rb.max(1)))
+        .zip(w.par_chunks_exact(cols.max(1)))
+        .enumerate()
+        .for_each(|(r, ((scales, codes), row))| {
+            for (gi, (group, imp)) in row.chunks(g).zip(importance.chunks(g)).enumerate() {
+                let min = mins.get(flat(r, ng, gi)).copied();
+                let Some(&base) = scales.get(gi) else {
+                    continue;
+                };
+                if base <= 0.0 {
+                    continue;
                 }
-            };
-            let err = |s: f32| -> f64 {
-                group
-                    .iter()
-                    .zip(imp)
-                    .map(|(&v, &i)| {
-                        let d = f64::from(v - code(v, s).1);
-                        f64::from(i) * d * d
-                    })
-                    .sum()
-            };
-            let mut best = (err(base), base);
-            for f in SCALE_GRID {
-                let s = f16_round(base * f);
-                if s.is_finite() && s > 0.0 {
-                    let e = err(s);
-                    if e < best.0 {
-                        best = (e, s);
+                let code = |v: f32, s: f32| -> (u8, f32) {
+                    if nf4 {
+                        let q = nf4_index(v / s);
+                        (
+                            q,
+                            NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0) * s,
+                        )
+                    } else {
+                        let m = min.unwrap_or(0.0);
+                        let q = ((v - m) / s).round().clamp(0.0, 15.0) as u8;
+                        (q, m + f32::from(q) * s)
+                    }
+                };
+                let err = |s: f32| -> f64 {
+                    group
+                        .iter()
+                        .zip(imp)
+                        .map(|(&v, &i)| {
+                            let d = f64::from(v - code(v, s).1);
+                            f64::from(i) * d * d
+                        })
+                        .sum()
+                };
+                let mut best = (err(base), base);
+                for f in SCALE_GRID {
+                    let s = f16_round(base * f);
+                    if s.is_finite() && s > 0.0 {
+                        let e = err(s);
+                        if e < best.0 {
+                            best = (e, s);
+                        }
                     }
                 }
-            }
-            let s = best.1;
-            if let Some(slot) = p.scales.get_mut(k) {
-                *slot = s;
-            }
-            if let Some(codes) = p.codes.get_mut(row_span(r, rb)) {
+                let s = best.1;
+                if let Some(slot) = scales.get_mut(gi) {
+                    *slot = s;
+                }
                 for (j, &v) in group.iter().enumerate() {
                     set_nibble(codes, flat(gi, g, j), code(v, s).0);
                 }
             }
-        }
-    }
+        });
     Ok(p)
 }
 

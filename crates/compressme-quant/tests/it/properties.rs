@@ -828,6 +828,51 @@ fn weighted_rounding_beats_absmax_on_its_objective() {
     );
 }
 
+/// Activation-aware rounding runs its rows on all cores: the same codes and scales on
+/// one thread as on several (checked against the order-free definition, row by row).
+#[test]
+fn weighted_rounding_does_not_depend_on_the_thread_count() {
+    use compressme_quant::quantize_weighted;
+    let (rows, cols) = (37, 320);
+    let w = matrix("student-t", rows, cols, 11);
+    let mut r = Rng::new(12);
+    let imp: Vec<f32> = (0..cols)
+        .map(|_| (r.student_t(3).abs() as f32).powi(2) + 1e-3)
+        .collect();
+    for format in [
+        Format::Nf4Block(GroupSize::G64),
+        Format::Int4Block(GroupSize::G64),
+        Format::Int4Block(GroupSize::G128),
+    ] {
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| quantize_weighted(&w, rows, cols, format, &imp).unwrap())
+        };
+        let one = on(1);
+        assert_eq!(one, on(4), "{format}");
+        // each row alone gives that row: no row's result depends on another's
+        for row in [0, 17, rows - 1] {
+            let alone =
+                quantize_weighted(&w[row * cols..(row + 1) * cols], 1, cols, format, &imp).unwrap();
+            let rb = format.row_code_bytes(cols);
+            let ng = one.scales().len() / rows;
+            assert_eq!(
+                alone.codes(),
+                &one.codes()[row * rb..(row + 1) * rb],
+                "{format}"
+            );
+            assert_eq!(
+                alone.scales(),
+                &one.scales()[row * ng..(row + 1) * ng],
+                "{format}"
+            );
+        }
+    }
+}
+
 /// `Int8Block`'s largest magnitude takes code ±127 even where its f16 scale is subnormal
 /// and rounding to nearest would leave it at 126 (so requantizing keeps the scale).
 #[test]
