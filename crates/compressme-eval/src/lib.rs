@@ -163,11 +163,12 @@ pub fn score_documents(
         docs,
         window,
         |ids| logits(ids).map(|rows| (rows, ())),
-        |t, lp, _, ()| {
+        |_, _, lp, _, ()| {
+            Ok(keep_distributions.then(|| lp.iter().map(|&v| v as f32).collect::<Vec<f32>>()))
+        },
+        |t, kept| {
             tokens.push(t);
-            if keep_distributions {
-                distributions.push(lp.iter().map(|&v| v as f32).collect());
-            }
+            distributions.extend(kept);
             Ok(())
         },
     )?;
@@ -177,15 +178,25 @@ pub fn score_documents(
     })
 }
 
+/// Targets whose log-probabilities [`for_each_target`] computes at a time, on every core:
+/// each is a vocabulary of f64s (16 x 49,152 x 8 bytes is 6 MB), so memory stays small.
+const SCORE_CHUNK: usize = 16;
+
 /// The windows [`score_documents`] runs, and for each the rows it counts: calls
 /// `run(ids)` once a window (returning its logit rows and anything else the caller
-/// needs), then `take(score, log_probs, row, extra)` for every target that window scores.
-fn for_each_target<X>(
+/// needs), then, for every target that window scores, `prepare(k, &score, log_probs, row,
+/// extra)` (`k` counting the targets from 0) and `take(score, prepared)`. The
+/// log-softmaxes and `prepare` run on rayon's threads, [`SCORE_CHUNK`] targets at a time;
+/// `take` runs on the caller's thread, in the targets' order, and the first error in that
+/// order is returned: the results do not depend on the thread count.
+fn for_each_target<X: Sync, P: Send>(
     docs: &[Vec<u32>],
     window: Window,
     mut run: impl FnMut(&[u32]) -> std::result::Result<(Vec<Vec<f32>>, X), String>,
-    mut take: impl FnMut(TokenScore, &[f64], usize, &X) -> Result<()>,
+    prepare: impl Fn(usize, &TokenScore, &[f64], usize, &X) -> Result<P> + Sync,
+    mut take: impl FnMut(TokenScore, P) -> Result<()>,
 ) -> Result<()> {
+    use rayon::prelude::*;
     // windows overlap by at least one token (see `Window::step`): a window's first token
     // is predicted by the window before it
     if window.len < 2 || window.stride == 0 {
@@ -194,6 +205,7 @@ fn for_each_target<X>(
             window.len, window.stride
         )));
     }
+    let mut k = 0;
     for (d, doc) in docs.iter().enumerate() {
         let n = doc.len();
         let mut counted = 1; // the next target position not yet scored
@@ -213,33 +225,48 @@ fn for_each_target<X>(
                     ids.len()
                 )));
             }
-            for position in counted.max(start + 1)..end {
-                let row = position - 1 - start;
-                let (Some(logits), Some(&target)) = (out.get(row), doc.get(position)) else {
-                    continue;
-                };
-                let lp = log_softmax(logits);
-                let logprob = lp.get(target as usize).copied().ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "document {d}: token {target} past a vocabulary of {}",
-                        lp.len()
-                    ))
-                })?;
-                if !logprob.is_finite() {
-                    return Err(Error::NonFinite {
+            let positions: Vec<usize> = (counted.max(start + 1)..end).collect();
+            for chunk in positions.chunks(SCORE_CHUNK) {
+                let k0 = k;
+                let one = |(i, &position): (usize, &usize)| -> Result<(TokenScore, P)> {
+                    let row = position - 1 - start;
+                    // both exist: `out` has a row per id, and `position < end <= n`
+                    let (Some(logits), Some(&target)) = (out.get(row), doc.get(position)) else {
+                        return Err(Error::Invalid(format!(
+                            "document {d}: no logits for position {position}"
+                        )));
+                    };
+                    let lp = log_softmax(logits);
+                    let logprob = lp.get(target as usize).copied().ok_or_else(|| {
+                        Error::Invalid(format!(
+                            "document {d}: token {target} past a vocabulary of {}",
+                            lp.len()
+                        ))
+                    })?;
+                    if !logprob.is_finite() {
+                        return Err(Error::NonFinite {
+                            doc: d,
+                            position,
+                            value: logprob,
+                        });
+                    }
+                    let score = TokenScore {
                         doc: d,
                         position,
-                        value: logprob,
-                    });
-                }
-                let score = TokenScore {
-                    doc: d,
-                    position,
-                    target,
-                    logprob,
-                    context: position - start,
+                        target,
+                        logprob,
+                        context: position - start,
+                    };
+                    let prepared = prepare(k0 + i, &score, &lp, row, &extra)?;
+                    Ok((score, prepared))
                 };
-                take(score, &lp, row, &extra)?;
+                let done: Vec<Result<(TokenScore, P)>> =
+                    chunk.par_iter().enumerate().map(one).collect();
+                for r in done {
+                    let (score, prepared) = r?;
+                    take(score, prepared)?;
+                    k += 1;
+                }
             }
             counted = end;
             if end == n {
@@ -281,7 +308,7 @@ pub fn score_pair(
         docs,
         window,
         |ids| Ok((reference(ids)?, variant(ids)?)),
-        |t, lp_ref, row, rows| {
+        |_, t, lp_ref, row, rows| {
             let Some(q_logits) = rows.get(row) else {
                 return Err(Error::Invalid("variant returned too few rows".into()));
             };
@@ -303,7 +330,10 @@ pub fn score_pair(
                     value: vlp,
                 });
             }
-            acc.add(lp_ref, &lq, target);
+            Ok((vlp, TargetShift::new(lp_ref, &lq, target)))
+        },
+        |t, (vlp, shift)| {
+            acc.push(shift);
             vt.push(TokenScore {
                 logprob: vlp,
                 ..t.clone()
@@ -350,8 +380,7 @@ pub fn score_against(
         docs,
         window,
         |ids| variant(ids).map(|rows| (rows, ())),
-        |t, lq, _, ()| {
-            let k = tokens.len();
+        |k, t, lq, _, ()| {
             let (Some(r), Some(p)) = (reference.tokens.get(k), reference.distributions.get(k))
             else {
                 return Err(Error::Invalid("more targets than the reference has".into()));
@@ -363,7 +392,10 @@ pub fn score_against(
                     t.doc, t.position
                 )));
             }
-            acc.add(p, lq, t.target as usize);
+            Ok(TargetShift::new(p, lq, t.target as usize))
+        },
+        |t, shift| {
+            acc.push(shift);
             tokens.push(t);
             Ok(())
         },
@@ -393,9 +425,17 @@ struct ShiftAcc {
     dp_sum: f64,
 }
 
-impl ShiftAcc {
-    /// Adds a target: log-probabilities of the reference `p` and the variant `q`.
-    fn add<P: Copy + Into<f64>, Q: Copy + Into<f64>>(&mut self, p: &[P], q: &[Q], target: usize) {
+/// One target's part of [`Shift`]: computed on any thread, added in the targets' order.
+struct TargetShift {
+    kl: f64,
+    agree: bool,
+    dp: f64,
+}
+
+impl TargetShift {
+    /// A target's KL, top-1 agreement and change in the target's probability, from the
+    /// log-probabilities of the reference `p` and the variant `q`.
+    fn new<P: Copy + Into<f64>, Q: Copy + Into<f64>>(p: &[P], q: &[Q], target: usize) -> Self {
         fn argmax<T: Copy + Into<f64>>(v: &[T]) -> usize {
             v.iter()
                 .enumerate()
@@ -410,12 +450,22 @@ impl ShiftAcc {
                 lp.exp() * (lp - lq)
             })
             .sum();
-        self.kls.push(kl.max(0.0));
-        self.agree += usize::from(argmax(p) == argmax(q));
         let prob = |v: Option<f64>| v.unwrap_or(f64::NEG_INFINITY).exp();
-        let dp = prob(q.get(target).map(|&x| x.into())) - prob(p.get(target).map(|&x| x.into()));
-        self.dp_sum += dp;
-        self.dps.push(dp.abs());
+        Self {
+            kl,
+            agree: argmax(p) == argmax(q),
+            dp: prob(q.get(target).map(|&x| x.into())) - prob(p.get(target).map(|&x| x.into())),
+        }
+    }
+}
+
+impl ShiftAcc {
+    /// Adds a target's part.
+    fn push(&mut self, s: TargetShift) {
+        self.kls.push(s.kl.max(0.0));
+        self.agree += usize::from(s.agree);
+        self.dp_sum += s.dp;
+        self.dps.push(s.dp.abs());
     }
 
     fn finish(self) -> Shift {
@@ -492,7 +542,7 @@ pub fn shift(reference: &Scored, variant: &Scored) -> Result<Shift> {
         .zip(&variant.distributions)
         .zip(&reference.tokens)
     {
-        acc.add(p, q, t.target as usize);
+        acc.push(TargetShift::new(p, q, t.target as usize));
     }
     Ok(acc.finish())
 }

@@ -320,3 +320,91 @@ fn peak_memory_can_be_reset_between_stages() {
     let after = compressme_eval::peak_rss_bytes().unwrap();
     assert!(after + (32 << 20) <= peak, "reset: {peak} -> {after}");
 }
+
+/// Logits that depend on the whole context, so every target's distribution differs.
+fn mixed(scale: f32) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> {
+    move |ids: &[u32]| {
+        Ok((0..ids.len())
+            .map(|i| {
+                let h = ids[..=i]
+                    .iter()
+                    .fold(7u32, |a, &t| a.wrapping_mul(31).wrapping_add(t));
+                (0..300u32)
+                    .map(|v| ((h ^ v.wrapping_mul(2_654_435_761)) % 1000) as f32 * scale / 100.0)
+                    .collect()
+            })
+            .collect())
+    }
+}
+
+/// Scoring runs its targets' log-softmaxes and shifts on rayon's threads: the results are
+/// the same bits on one thread and on three, and an error is the first in the targets'
+/// order even when a later target of the same chunk fails too.
+#[test]
+fn scores_do_not_depend_on_the_thread_count() {
+    let docs = vec![
+        (0..200u32).map(|i| (i * 37) % 300).collect::<Vec<u32>>(),
+        (0..77u32).map(|i| (i * 11 + 5) % 300).collect(),
+    ];
+    let window = Window {
+        len: 40,
+        stride: 20,
+    };
+    let run = || {
+        let reference = score_documents(&docs, window, true, mixed(1.0)).unwrap();
+        let pair = compressme_eval::score_pair(&docs, window, mixed(1.0), mixed(1.1)).unwrap();
+        let (against, sh) =
+            compressme_eval::score_against(&docs, window, &reference, mixed(1.1)).unwrap();
+        (reference, pair, against, sh)
+    };
+    let on = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(run)
+    };
+    let (r1, p1, a1, s1) = on(1);
+    let (r3, p3, a3, s3) = on(3);
+    assert_eq!(r1.tokens.len(), 275);
+    assert_eq!(r1.tokens, r3.tokens);
+    assert_eq!(r1.distributions, r3.distributions);
+    assert_eq!(p1.variant.tokens, p3.variant.tokens);
+    assert_eq!(p1.shift, p3.shift);
+    assert_eq!(a1.tokens, a3.tokens);
+    assert_eq!(s1, s3);
+    // the kept reference (log-probabilities rounded to f32) gives about the shift of
+    // scoring both together
+    assert!((s1.kl_mean - p1.shift.kl_mean).abs() < 1e-6 * p1.shift.kl_mean.max(1.0));
+    assert!(s1.kl_mean > 0.0 && s1.targets == 275);
+    // two bad targets in one chunk: the first is named
+    let e = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap()
+        .install(|| {
+            score_documents(&docs, window, false, |ids| {
+                Ok(ids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, _)| {
+                        if i == 5 || i == 9 {
+                            vec![f32::NAN; 300]
+                        } else {
+                            vec![0.0; 300]
+                        }
+                    })
+                    .collect())
+            })
+        })
+        .unwrap_err();
+    let ok = matches!(
+        e,
+        Error::NonFinite {
+            doc: 0,
+            position: 6,
+            ..
+        }
+    );
+    assert!(ok, "{e}");
+}

@@ -46,6 +46,31 @@ impl LayerNorm {
     }
 }
 
+/// RMS normalisation over the last dimension: `x / sqrt(mean(x²) + eps) * weight`, in one
+/// pass a row (the mean of squares summed in eight running sums, in a fixed order).
+///
+/// # Errors
+/// A `weight` whose length is not `x`'s last dimension; candle's.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let h = x.dims().last().copied().unwrap_or(0);
+    let w = weight.to_vec1::<f32>()?;
+    if h == 0 || w.len() != h {
+        return Err(crate::Error::Shape(format!(
+            "RMS norm of {:?} with a weight of {}",
+            x.dims(),
+            w.len()
+        )));
+    }
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let eps = eps as f32;
+    let mut out = Vec::with_capacity(xs.len());
+    for row in xs.chunks_exact(h) {
+        let d = (sum8(row, |v| v * v) / h as f32 + eps).sqrt();
+        out.extend(row.iter().zip(&w).map(|(&v, &w)| v / d * w));
+    }
+    Ok(Tensor::from_vec(out, x.dims(), x.device())?)
+}
+
 /// Softmax over the last dimension (the maximum is subtracted first).
 ///
 /// # Errors
@@ -150,4 +175,352 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         start += len;
     }
     sum.ok_or_else(|| crate::Error::Shape("empty matmul".into()))
+}
+
+/// Query positions a block of [`causal_attention`] takes at a time.
+const QUERY_BLOCK: usize = 64;
+
+/// Causal scaled dot-product attention with grouped-query heads, for inference:
+/// `softmax(q kᵀ · scale + mask) v` for `q` `[b, heads, t, hd]` (the `t` positions after
+/// `past` earlier ones) and `k`, `v` `[b, kv_heads, past + t, hd]`, where query head `h`
+/// reads key head `h / (heads / kv_heads)` (consecutive, as transformers' `repeat_kv`
+/// orders them). Returns `[b, t, heads * hd]`, the heads side by side.
+///
+/// It computes what the plain chain of candle ops computes (one `q kᵀ` of every query
+/// against every key, a mask of `-inf`, softmax, `· v`), without its waste: queries go
+/// [`QUERY_BLOCK`] at a time, each block against only the keys its last query can see,
+/// so a window of 512 computes 56% of the full product; the softmax runs in place over
+/// the positions a query sees, one pass each for the maximum, the exponentials and the
+/// scaling, and the masked positions are zeros that are never exponentiated. The products
+/// go through [`matmul`], so every output is the same bits on every x86-64 CPU.
+///
+/// # Errors
+/// Shapes that do not fit (`heads` not a multiple of `kv_heads`, keys not `past + t`
+/// long, different head sizes), candle's.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, heads, t, hd) = q.dims4()?;
+    let (kb, kvh, s, khd) = k.dims4()?;
+    if kvh == 0
+        || !heads.is_multiple_of(kvh)
+        || kb != b
+        || khd != hd
+        || s != past + t
+        || v.dims() != k.dims()
+    {
+        return Err(crate::Error::Shape(format!(
+            "attention of queries {:?} past {past} over keys {:?} and values {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    let rep = heads / kvh;
+    let q = q.contiguous()?.reshape((b, kvh, rep, t, hd))?;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let scale = scale as f32;
+    let mut blocks = Vec::with_capacity(t.div_ceil(QUERY_BLOCK));
+    let mut i0 = 0;
+    while i0 < t {
+        let n = QUERY_BLOCK.min(t - i0);
+        // keys the block's last query sees
+        let len = past + i0 + n;
+        let qb = q
+            .narrow(3, i0, n)?
+            .contiguous()?
+            .reshape((b, kvh, rep * n, hd))?;
+        let scores = matmul(&qb, &k.narrow(2, 0, len)?.t()?)?;
+        let mut p = scores.flatten_all()?.to_vec1::<f32>()?;
+        for (r, row) in p.chunks_exact_mut(len).enumerate() {
+            // row r is query i0 + r % n, which sees keys 0..=past + i0 + r % n
+            softmax_prefix(row, past + i0 + r % n + 1, scale);
+        }
+        let probs = Tensor::from_vec(p, (b, kvh, rep * n, len), q.device())?;
+        let out = matmul(&probs, &v.narrow(2, 0, len)?)?;
+        blocks.push(out.reshape((b, heads, n, hd))?);
+        i0 += n;
+    }
+    let all = if blocks.len() == 1 {
+        blocks.swap_remove(0)
+    } else {
+        Tensor::cat(&blocks, 2)?
+    };
+    Ok(all
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, t, heads * hd))?)
+}
+
+/// `row[..seen] * scale`, softmaxed in place; `row[seen..]` (positions the query must
+/// not see) set to zero.
+fn softmax_prefix(row: &mut [f32], seen: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(seen.min(row.len()));
+    masked.fill(0.0);
+    // the maximum of the scaled scores is the scaled maximum (scale > 0)
+    let max = max_f32(live) * scale;
+    for x in live.iter_mut() {
+        *x = exp_nonpositive(*x * scale - max);
+    }
+    let sum = sum8(live, |v| v);
+    for x in live.iter_mut() {
+        *x /= sum;
+    }
+}
+
+/// The largest of `xs` (NaNs ignored; `-inf` for none), eight lanes at a time.
+fn max_f32(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    acc.into_iter()
+        .chain(rest.iter().copied())
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `e^x` for `x <= 0` (a softmax's shifted scores), within 2 ulp of the exact value for
+/// `x` down to -87 and the same bits on every CPU: plain arithmetic that the compiler
+/// vectorises (no library call, no fused multiply-add). `x` below -87 gives `e^-87`
+/// (about 1.6e-38, which no sum of probabilities notices); a NaN stays a NaN.
+#[inline]
+fn exp_nonpositive(x: f32) -> f32 {
+    // 1.5 * 2^23: adding it rounds to an integer held in the low bits of the mantissa
+    const ROUND: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = if x < -87.0 { -87.0 } else { x };
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    // x = n ln 2 + r, |r| <= ln 2 / 2, in two steps so that r stays exact
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    // Taylor to degree 7: the first term left out is below 6e-9 of the result
+    let p = 1.0 / 5040.0;
+    let p = p * r + 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    // 2^n from n's bits in t: n is in -126..=0, so n + 127 is a normal exponent
+    let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127) << 23;
+    p * f32::from_bits(n_bits)
+}
+
+/// The sum of `f(x)` over `xs`, eight running sums added at the end (the order fixed,
+/// so the same bits everywhere, and vectorised).
+#[inline]
+fn sum8(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f(x);
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &x in rest {
+        sum += f(x);
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{D, Device};
+
+    use super::*;
+
+    /// Deterministic values in about [-1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The plain chain of candle ops the fused attention replaces: every query against
+    /// every key (key heads repeated), a mask of `-inf`, softmax, `· v`.
+    fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> Tensor {
+        let (b, heads, t, hd) = q.dims4().unwrap();
+        let (_, kvh, s, _) = k.dims4().unwrap();
+        let rep = heads / kvh;
+        let repeat = |x: &Tensor| {
+            x.unsqueeze(2)
+                .unwrap()
+                .expand((b, kvh, rep, s, hd))
+                .unwrap()
+                .reshape((b, heads, s, hd))
+                .unwrap()
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap() * scale).unwrap();
+        let mask: Vec<f32> = (0..t * s)
+            .map(|i| {
+                if i % s > past + i / s {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, s), &Device::Cpu).unwrap();
+        let probs = softmax_last(&scores.broadcast_add(&mask).unwrap()).unwrap();
+        probs
+            .matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((b, t, heads * hd))
+            .unwrap()
+    }
+
+    fn tensor(shape: (usize, usize, usize, usize), seed: u64, gain: f32) -> Tensor {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        let v: Vec<f32> = values(n, seed).into_iter().map(|x| x * gain).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let (a, b) = (
+            a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / scale)
+            .fold(0f32, f32::max)
+    }
+
+    #[test]
+    fn fused_attention_is_the_plain_chain_of_ops() {
+        // grouped heads, several query blocks with a partial last one, a batch of two,
+        // and queries that follow cached positions (as in generation)
+        for (b, heads, kvh, t, past, hd) in [
+            (1, 6, 2, 150, 0, 16),
+            (2, 4, 4, 65, 0, 8),
+            (1, 9, 3, 1, 37, 64),
+            (1, 6, 3, 70, 20, 16),
+        ] {
+            let s = past + t;
+            // scores of several units, so the softmax is far from uniform
+            let q = tensor((b, heads, t, hd), 1, 3.0);
+            let k = tensor((b, kvh, s, hd), 2, 3.0);
+            let v = tensor((b, kvh, s, hd), 3, 1.0);
+            let scale = 1.0 / (hd as f64).sqrt();
+            let fused = causal_attention(&q, &k, &v, past, scale).unwrap();
+            assert_eq!(fused.dims(), &[b, t, heads * hd]);
+            let plain = plain_attention(&q, &k, &v, past, scale);
+            let d = max_rel_diff(&fused, &plain);
+            assert!(d < 1e-5, "{b} {heads} {kvh} {t} {past}: {d}");
+            // the first query sees only the first past + 1 keys: a value changed after
+            // them does not reach it
+            let mut vv = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let last = (s - 1) * hd;
+            vv[last] += 100.0;
+            let v2 = Tensor::from_vec(vv, v.dims(), &Device::Cpu).unwrap();
+            let moved = causal_attention(&q, &k, &v2, past, scale).unwrap();
+            let first = |x: &Tensor| {
+                x.narrow(1, 0, 1)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            if t > 1 {
+                assert_eq!(first(&moved), first(&fused));
+            } else {
+                assert_ne!(first(&moved), first(&fused));
+            }
+        }
+    }
+
+    #[test]
+    fn fused_attention_refuses_shapes_that_do_not_fit() {
+        let q = tensor((1, 6, 4, 8), 1, 1.0);
+        let k = tensor((1, 4, 4, 8), 2, 1.0);
+        assert!(
+            causal_attention(&q, &k, &k, 0, 1.0).is_err(),
+            "6 heads over 4"
+        );
+        let k = tensor((1, 2, 5, 8), 2, 1.0);
+        assert!(
+            causal_attention(&q, &k, &k, 0, 1.0).is_err(),
+            "5 keys for 4 queries"
+        );
+        assert!(causal_attention(&q, &k, &k, 1, 1.0).is_ok());
+        let v = tensor((1, 2, 5, 4), 3, 1.0);
+        assert!(
+            causal_attention(&q, &k, &v, 1, 1.0).is_err(),
+            "values of another size"
+        );
+    }
+
+    #[test]
+    fn rms_norm_is_the_plain_chain_of_ops() {
+        let x = tensor((1, 2, 7, 576), 5, 4.0).reshape((2, 7, 576)).unwrap();
+        let w = Tensor::from_vec(values(576, 9), 576, &Device::Cpu).unwrap();
+        let eps = 1e-5;
+        let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let plain = x
+            .broadcast_div(&(ms + eps).unwrap().sqrt().unwrap())
+            .unwrap()
+            .broadcast_mul(&w)
+            .unwrap();
+        let fused = rms_norm(&x, &w, eps).unwrap();
+        assert_eq!(fused.dims(), x.dims());
+        assert!(max_rel_diff(&fused, &plain) < 1e-6);
+        let short = Tensor::from_vec(values(575, 9), 575, &Device::Cpu).unwrap();
+        assert!(rms_norm(&x, &short, eps).is_err());
+    }
+
+    #[test]
+    fn the_exponential_is_within_two_ulp() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let got = exp_nonpositive(x);
+            let want = f64::from(x).exp();
+            let ulp =
+                f64::from(f32::from_bits((want as f32).to_bits() + 1)) - f64::from(want as f32);
+            worst = worst.max((f64::from(got) - want).abs() / ulp);
+        }
+        assert!(worst <= 2.0, "{worst} ulp");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(f32::NAN).is_nan());
+        let floor = exp_nonpositive(-87.0);
+        assert!(floor > 0.0 && floor < 2e-38);
+        assert_eq!(exp_nonpositive(-1e30), floor);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), floor);
+    }
+
+    #[test]
+    fn softmax_of_a_prefix_sums_to_one_and_zeroes_the_rest() {
+        let mut row = values(100, 4);
+        softmax_prefix(&mut row, 37, 2.0);
+        assert!(row[37..].iter().all(|&p| p == 0.0));
+        let sum: f32 = row[..37].iter().sum();
+        assert!((sum - 1.0).abs() < 1e-5, "{sum}");
+        assert!(row[..37].iter().all(|&p| p > 0.0));
+    }
 }

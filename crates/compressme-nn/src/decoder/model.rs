@@ -2,10 +2,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::config::{Activation, DecoderConfig, Family};
-use crate::ops::{LayerNorm, softmax_last};
+use crate::ops::LayerNorm;
 use crate::{Embedding, Error, Hooks, Linear, Model, ModuleMut, ModuleRef, Result};
 
 /// How module weights are laid out in the tensors a decoder is built from.
@@ -28,11 +28,7 @@ enum Norm {
 impl Norm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Rms { weight, eps } => {
-                let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-                Ok(x.broadcast_div(&(ms + *eps)?.sqrt()?)?
-                    .broadcast_mul(weight)?)
-            }
+            Self::Rms { weight, eps } => crate::ops::rms_norm(x, weight, *eps),
             Self::Layer(l) => l.forward(x),
         }
     }
@@ -639,33 +635,10 @@ impl Decoder {
             }
             *slot = Some((k.clone(), v.clone()));
         }
-        let s = k.dim(2)?;
-        let rep = heads / kvh;
-        // grouped-query attention without repeating keys and values: the `rep` query heads
-        // that share a key head (consecutive, as transformers' `repeat_kv` orders them)
-        // are `rep * t` rows of one product with it
+        // grouped-query attention without repeating keys and values, each block of
+        // queries against only the keys it can see
         let scale = 1.0 / (hd as f64).sqrt();
-        let q = q.contiguous()?.reshape((bsz, kvh, rep * t, hd))?;
-        let mut scores = (crate::ops::matmul(&q, &k.t()?)? * scale)?.reshape((bsz, heads, t, s))?;
-        if t > 1 {
-            let mask: Vec<f32> = (0..t * s)
-                .map(|i| {
-                    if i % s > past + i / s {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            scores = scores.broadcast_add(&Tensor::from_vec(mask, (t, s), &self.device)?)?;
-        }
-        let probs = softmax_last(&scores)?.reshape((bsz, kvh, rep * t, s))?;
-        let ctx = crate::ops::matmul(&probs, &v.contiguous()?)?
-            .reshape((bsz, heads, t, hd))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((bsz, t, heads * hd))?;
-        b.o.forward(&ctx)
+        b.o.forward(&crate::ops::causal_attention(&q, &k, &v, past, scale)?)
     }
 
     fn mlp(&self, b: &Block, h: &Tensor) -> Result<Tensor> {
