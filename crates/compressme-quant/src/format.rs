@@ -386,6 +386,16 @@ fn nf4_index(v: f32) -> u8 {
     idx
 }
 
+/// `x` rounded half away from zero and clamped to 0..=15 (0 for NaN): the code
+/// `x.round().clamp(0.0, 15.0) as u8` gives, without the library call `round` is on
+/// x86-64's baseline (clamping first gives the same code, and on `0..=15` rounding is the
+/// integer part plus one where the fraction, exact there, is at least a half).
+fn int4_code(x: f32) -> u8 {
+    let y = x.clamp(0.0, 15.0);
+    let t = y as u8;
+    t.saturating_add(u8::from(y - f32::from(t) >= 0.5))
+}
+
 fn f16_round(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
@@ -570,7 +580,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, format: Format) -> Result<P
                     };
                     for (j, &v) in group.iter().enumerate() {
                         let q = if step > 0.0 {
-                            ((v - min) / step).round().clamp(0.0, 15.0) as u8
+                            int4_code((v - min) / step)
                         } else {
                             0
                         };
@@ -653,28 +663,33 @@ pub fn quantize_weighted(
                         )
                     } else {
                         let m = min.unwrap_or(0.0);
-                        let q = ((v - m) / s).round().clamp(0.0, 15.0) as u8;
+                        let q = int4_code((v - m) / s);
                         (q, m + f32::from(q) * s)
                     }
                 };
-                let err = |s: f32| -> f64 {
-                    group
-                        .iter()
-                        .zip(imp)
-                        .map(|(&v, &i)| {
-                            let d = f64::from(v - code(v, s).1);
-                            f64::from(i) * d * d
-                        })
-                        .sum()
-                };
-                let mut best = (err(base), base);
-                for f in SCALE_GRID {
+                // the base scale, then each grid candidate (f16-rounded; `None` where it
+                // is not a positive finite f16): every candidate's weighted error summed in
+                // one pass over the group, each sum in the weights' order
+                let mut cands = [None; 1 + SCALE_GRID.len()];
+                cands[0] = Some(base);
+                for (c, f) in cands.iter_mut().skip(1).zip(SCALE_GRID) {
                     let s = f16_round(base * f);
-                    if s.is_finite() && s > 0.0 {
-                        let e = err(s);
-                        if e < best.0 {
-                            best = (e, s);
-                        }
+                    *c = (s.is_finite() && s > 0.0).then_some(s);
+                }
+                let trial = cands.map(|c| c.unwrap_or(base));
+                let mut errs = [0f64; 1 + SCALE_GRID.len()];
+                for (&v, &i) in group.iter().zip(imp) {
+                    for (e, &s) in errs.iter_mut().zip(&trial) {
+                        let d = f64::from(v - code(v, s).1);
+                        *e += f64::from(i) * d * d;
+                    }
+                }
+                let mut best = (errs[0], base);
+                for (c, &e) in cands.iter().zip(&errs).skip(1) {
+                    if let Some(s) = *c
+                        && e < best.0
+                    {
+                        best = (e, s);
                     }
                 }
                 let s = best.1;
@@ -948,5 +963,37 @@ impl Packed {
             self.decode_row(id, row);
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn int4_codes_are_rounding_then_clamping() {
+        let mut probes: Vec<f32> = (-400..=4000).map(|i| i as f32 / 200.0).collect();
+        for k in 0..=16u8 {
+            let h = f32::from(k) + 0.5;
+            probes.extend([
+                h,
+                f32::from_bits(h.to_bits() + 1),
+                f32::from_bits(h.to_bits() - 1),
+                f32::from(k),
+            ]);
+        }
+        probes.extend([
+            0.5 - f32::EPSILON / 4.0,
+            -0.0,
+            -0.5,
+            -0.49,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e30,
+            -1e30,
+            f32::MIN_POSITIVE,
+        ]);
+        for x in probes {
+            assert_eq!(super::int4_code(x), x.round().clamp(0.0, 15.0) as u8, "{x}");
+        }
     }
 }
