@@ -677,13 +677,8 @@ pub fn quantize_weighted(
                     *c = (s.is_finite() && s > 0.0).then_some(s);
                 }
                 let trial = cands.map(|c| c.unwrap_or(base));
-                let mut errs = [0f64; 1 + SCALE_GRID.len()];
-                for (&v, &i) in group.iter().zip(imp) {
-                    for (e, &s) in errs.iter_mut().zip(&trial) {
-                        let d = f64::from(v - code(v, s).1);
-                        *e += f64::from(i) * d * d;
-                    }
-                }
+                let errs =
+                    crate::kernels::candidate_errors(group, imp, &trial, nf4, min.unwrap_or(0.0));
                 let mut best = (errs[0], base);
                 for (c, &e) in cands.iter().zip(&errs).skip(1) {
                     if let Some(s) = *c
@@ -702,6 +697,71 @@ pub fn quantize_weighted(
             }
         });
     Ok(p)
+}
+
+/// The candidate scales [`quantize_weighted`] tries per group: the base scale and each
+/// of [`SCALE_GRID`]'s.
+pub(crate) const CANDIDATES: usize = 1 + SCALE_GRID.len();
+
+/// The midpoints between neighbouring NF4 codebook values, as [`nf4_index`] computes them.
+const NF4_MIDS: [f32; 15] = {
+    let mut m = [0f32; 15];
+    let mut i = 0;
+    while i < 15 {
+        #[allow(clippy::indexing_slicing, clippy::arithmetic_side_effects)] // i < 15
+        {
+            m[i] = (NF4_CODEBOOK[i] + NF4_CODEBOOK[i + 1]) / 2.0;
+            i += 1;
+        }
+    }
+    m
+};
+
+/// Each candidate scale's error `Σ_j imp[j] · (v_j - q(v_j))²` over one group, every sum
+/// in the weights' order: for NF4 (`nf4`) the nearest codebook value times the scale, for
+/// `Int4Block` `min` plus the rounded step count times the scale. The same arithmetic as
+/// [`nf4_index`] and [`int4_code`] one weight and scale at a time, laid out with the
+/// candidates side by side so that each step is one operation over all of them (the
+/// compiler's vectors): the nearest NF4 value is the last codebook value whose lower
+/// midpoint the weight exceeds, the count [`nf4_index`] takes. Inlined into each kernel
+/// tier's copy (`crate::kernels::candidate_errors`), which the vectors widen; with no
+/// fused multiply-add written here, every tier gives the same bits.
+#[inline(always)]
+pub(crate) fn candidate_errors_lanes(
+    group: &[f32],
+    imp: &[f32],
+    trial: &[f32; CANDIDATES],
+    nf4: bool,
+    min: f32,
+) -> [f64; CANDIDATES] {
+    let mut errs = [0f64; CANDIDATES];
+    let mut near = [0f32; CANDIDATES];
+    for (&v, &i) in group.iter().zip(imp) {
+        if nf4 {
+            let x: [f32; CANDIDATES] = trial.map(|s| v / s);
+            let mut cb = [NF4_CODEBOOK[0]; CANDIDATES];
+            for (&mid, &next) in NF4_MIDS.iter().zip(NF4_CODEBOOK.iter().skip(1)) {
+                for (c, &xk) in cb.iter_mut().zip(&x) {
+                    if xk > mid {
+                        *c = next;
+                    }
+                }
+            }
+            for ((q, &c), &s) in near.iter_mut().zip(&cb).zip(trial) {
+                *q = c * s;
+            }
+        } else {
+            for (q, &s) in near.iter_mut().zip(trial) {
+                *q = min + f32::from(int4_code((v - min) / s)) * s;
+            }
+        }
+        let i = f64::from(i);
+        for (e, &q) in errs.iter_mut().zip(&near) {
+            let d = f64::from(v - q);
+            *e += i * d * d;
+        }
+    }
+    errs
 }
 
 /// A non-negative value rounded to f16, refusing what f16 cannot hold.
@@ -964,6 +1024,36 @@ impl Packed {
         }
         Ok(out)
     }
+}
+
+/// [`candidate_errors_lanes`] as `quantize_weighted` computed it before the candidates
+/// were laid side by side: one weight and one scale at a time, through [`nf4_index`] and
+/// [`int4_code`]. The definition the tiers are held to.
+#[cfg(test)]
+pub(crate) fn candidate_errors_one_by_one(
+    group: &[f32],
+    imp: &[f32],
+    trial: &[f32; CANDIDATES],
+    nf4: bool,
+    min: f32,
+) -> [f64; CANDIDATES] {
+    let mut errs = [0f64; CANDIDATES];
+    for (&v, &i) in group.iter().zip(imp) {
+        for (e, &s) in errs.iter_mut().zip(trial) {
+            let q = if nf4 {
+                NF4_CODEBOOK
+                    .get(usize::from(nf4_index(v / s)))
+                    .copied()
+                    .unwrap_or(f32::NAN)
+                    * s
+            } else {
+                min + f32::from(int4_code((v - min) / s)) * s
+            };
+            let d = f64::from(v - q);
+            *e += f64::from(i) * d * d;
+        }
+    }
+    errs
 }
 
 #[cfg(test)]

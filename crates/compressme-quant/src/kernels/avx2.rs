@@ -813,3 +813,5 @@ pub(super) fn fixed_row(t: Token, row: &[f32], out: &mut [i16], nibbles: bool) -
 unsafe fn fixed_row_imp(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
     super::fixed_row_body(row, out, nibbles)
 }
+
+candidate_errors_for_tier!("avx2,fma");

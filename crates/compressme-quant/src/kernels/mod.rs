@@ -5,6 +5,37 @@
 use crate::{Error, Format, Packed, Result};
 
 #[cfg(target_arch = "x86_64")]
+/// A tier's copy of [`crate::format::candidate_errors_lanes`], compiled with `$features`
+/// (the tier's `Token` proves them): `candidate_errors(token, ..)`, safe to call.
+macro_rules! candidate_errors_for_tier {
+    ($features:literal) => {
+        /// [`crate::format::candidate_errors_lanes`] built for this tier's vectors.
+        pub(super) fn candidate_errors(
+            _: Token,
+            group: &[f32],
+            imp: &[f32],
+            trial: &[f32; crate::format::CANDIDATES],
+            nf4: bool,
+            min: f32,
+        ) -> [f64; crate::format::CANDIDATES] {
+            #[target_feature(enable = $features)]
+            fn vectors(
+                group: &[f32],
+                imp: &[f32],
+                trial: &[f32; crate::format::CANDIDATES],
+                nf4: bool,
+                min: f32,
+            ) -> [f64; crate::format::CANDIDATES] {
+                crate::format::candidate_errors_lanes(group, imp, trial, nf4, min)
+            }
+            // SAFETY: the token exists only where the CPU has `$features`; `vectors`
+            // reads nothing but its safe arguments.
+            unsafe { vectors(group, imp, trial, nf4, min) }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
 /// Runs `$body` (an expression over arrays `$codes` and `$scales` of rows) on the rows
 /// from `$first`, four at a time, then one at a time for the rest: the body is expanded
 /// for both array lengths.
@@ -292,6 +323,27 @@ pub fn activations_for(format: Format) -> Result<Activations> {
 /// 0.238 against 0.259.
 #[cfg(target_arch = "x86_64")]
 const SPLIT8_MIN_CODES: usize = 1 << 22;
+
+/// [`crate::format::candidate_errors_lanes`] compiled for the widest vectors the CPU has
+/// (each tier's copy is the same code, so the bits do not depend on which runs).
+pub(crate) fn candidate_errors(
+    group: &[f32],
+    imp: &[f32],
+    trial: &[f32; crate::format::CANDIDATES],
+    nf4: bool,
+    min: f32,
+) -> [f64; crate::format::CANDIDATES] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(t) = avx512::Token::detect() {
+            return avx512::candidate_errors(t, group, imp, trial, nf4, min);
+        }
+        if let Some(t) = avx2::Token::detect() {
+            return avx2::candidate_errors(t, group, imp, trial, nf4, min);
+        }
+    }
+    crate::format::candidate_errors_lanes(group, imp, trial, nf4, min)
+}
 
 /// The instruction set a call runs with.
 #[derive(Debug, Clone, Copy)]
@@ -1599,6 +1651,78 @@ mod tests {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{format} batch {batch}"
                 );
+            }
+        }
+    }
+
+    /// Every tier's copy of the candidate-scale errors of activation-aware rounding gives
+    /// the bits of the one-weight-one-scale definition, on groups that hit the NF4
+    /// midpoints and the INT4 half steps exactly, with zeros, signed zeros, subnormals and
+    /// weights far outside the scale (codes clamped); tiers the CPU lacks say so.
+    #[test]
+    fn candidate_errors_give_the_one_by_one_bits_on_every_tier() {
+        use crate::format::{
+            CANDIDATES, NF4_CODEBOOK, SCALE_GRID, candidate_errors_lanes,
+            candidate_errors_one_by_one,
+        };
+        type ErrorsFn = dyn Fn(&[f32], &[f32], &[f32; CANDIDATES], bool, f32) -> [f64; CANDIDATES];
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut cases = Vec::new();
+        for case in 0..400 {
+            let base = 0.01 + next().abs() * 0.2;
+            let mut trial = [base; CANDIDATES];
+            for (t, f) in trial.iter_mut().skip(1).zip(SCALE_GRID) {
+                *t = half::f16::from_f32(base * f).to_f32();
+            }
+            let min = -base * 7.0 * (1.0 + next());
+            let group: Vec<f32> = (0..64)
+                .map(|j| match (case + j) % 9 {
+                    // an NF4 midpoint or an INT4 half step of the base scale exactly
+                    0 => (NF4_CODEBOOK[j % 15] + NF4_CODEBOOK[j % 15 + 1]) / 2.0 * base,
+                    1 => min + (j % 16) as f32 * base + 0.5 * base,
+                    2 => [0.0, -0.0, 1e-40, -1e-40][j % 4],
+                    3 => next() * 100.0,
+                    _ => next() * base * 2.0,
+                })
+                .collect();
+            let imp: Vec<f32> = (0..64).map(|_| next() + 0.6).collect();
+            cases.push((group, imp, trial, min));
+        }
+        let run = |name: &str, f: &ErrorsFn| {
+            for (group, imp, trial, min) in &cases {
+                for nf4 in [true, false] {
+                    let want = candidate_errors_one_by_one(group, imp, trial, nf4, *min);
+                    let got = f(group, imp, trial, nf4, *min);
+                    assert!(
+                        want.iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name}, nf4 {nf4}: {got:?} against {want:?}"
+                    );
+                }
+            }
+        };
+        run("portable", &candidate_errors_lanes);
+        run("dispatched", &candidate_errors);
+        #[cfg(target_arch = "x86_64")]
+        {
+            match avx2::Token::detect() {
+                Some(t) => run("avx2", &move |g, i, tr, n, m| {
+                    avx2::candidate_errors(t, g, i, tr, n, m)
+                }),
+                None => eprintln!("skipped: the AVX2 copy (this CPU lacks AVX2)"),
+            }
+            match avx512::Token::detect() {
+                Some(t) => run("avx512", &move |g, i, tr, n, m| {
+                    avx512::candidate_errors(t, g, i, tr, n, m)
+                }),
+                None => eprintln!("skipped: the AVX-512 copy (this CPU lacks AVX-512 VNNI)"),
             }
         }
     }
