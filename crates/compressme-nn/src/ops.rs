@@ -1,6 +1,9 @@
-//! Small differentiable building blocks on candle-core tensors.
+//! Small building blocks on candle-core tensors: differentiable ones for training (layer
+//! norm, softmax), and one-pass inference operations for the decoders (attention, RMS norm,
+//! sums, the gated product, rotary embedding) that give the bits of the candle chains they
+//! replace without waking candle's thread pool.
 
-use candle_core::{D, Tensor};
+use candle_core::{D, DType, Tensor};
 
 use crate::Result;
 
@@ -69,6 +72,102 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         out.extend(row.iter().zip(&w).map(|(&v, &w)| v / d * w));
     }
     Ok(Tensor::from_vec(out, x.dims(), x.device())?)
+}
+
+/// `x`'s elements as a `Vec<f32>` in row-major order, and its shape, for the one-pass
+/// operations below; `None` for other dtypes, which take candle's ops instead.
+fn f32_elements(x: &Tensor) -> Result<Option<Vec<f32>>> {
+    if x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    Ok(Some(x.flatten_all()?.to_vec1::<f32>()?))
+}
+
+/// The refusal of two tensors that an elementwise operation needs of one shape.
+fn shapes_differ(what: &str, a: &Tensor, b: &Tensor) -> crate::Error {
+    crate::Error::Shape(format!("{what} of {:?} and {:?}", a.dims(), b.dims()))
+}
+
+/// `a + b` for tensors of one shape, for inference: one pass on the calling thread, the
+/// same bits as candle's `+` (which, on large tensors, wakes candle's thread pool; a
+/// model that runs its own kernels keeps it asleep).
+///
+/// # Errors
+/// Different shapes; candle's.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dims() != b.dims() {
+        return Err(shapes_differ("a sum", a, b));
+    }
+    let (Some(mut x), Some(y)) = (f32_elements(a)?, f32_elements(b)?) else {
+        return Ok((a + b)?);
+    };
+    x.iter_mut().zip(&y).for_each(|(x, &y)| *x += y);
+    Ok(Tensor::from_vec(x, a.dims(), a.device())?)
+}
+
+/// `silu(gate) · up` for tensors of one shape (the gated MLP's product), for inference:
+/// one pass on the calling thread, `g / (1 + exp(-g)) · u` element by element, the
+/// arithmetic of candle's `silu` and `*` and so their bits.
+///
+/// # Errors
+/// Different shapes; candle's.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.dims() != up.dims() {
+        return Err(shapes_differ("a gated product", gate, up));
+    }
+    let (Some(mut g), Some(u)) = (f32_elements(gate)?, f32_elements(up)?) else {
+        return Ok((gate.silu()? * up)?);
+    };
+    g.iter_mut()
+        .zip(&u)
+        .for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u);
+    Ok(Tensor::from_vec(g, gate.dims(), gate.device())?)
+}
+
+/// Rotary position embedding for inference: `x · cos + rotate_half(x) · sin` on the
+/// leading `cos.dim(1)` features of each head of `x` `[b, h, t, hd]`, the rest passed
+/// through (partial rotary), where `cos` and `sin` are `[t, rd]` and `rotate_half` of
+/// `[x1, x2]` is `[-x2, x1]`. One pass on the calling thread, with the arithmetic of the
+/// chain of candle ops it replaces (each product rounded, then the sum), so its bits.
+///
+/// # Errors
+/// `cos` and `sin` not `[t, rd]` with `rd` even and at most `hd`; candle's.
+pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (_, _, t, hd) = x.dims4()?;
+    let (ct, rd) = cos.dims2()?;
+    if ct != t || sin.dims() != cos.dims() || rd > hd || !rd.is_multiple_of(2) {
+        return Err(crate::Error::Shape(format!(
+            "rotary embedding of {:?} with cos {:?} and sin {:?}",
+            x.dims(),
+            cos.dims(),
+            sin.dims()
+        )));
+    }
+    let (Some(mut v), Some(c), Some(s)) =
+        (f32_elements(x)?, f32_elements(cos)?, f32_elements(sin)?)
+    else {
+        return Err(crate::Error::Shape(format!(
+            "rotary embedding of {:?} {:?} with {:?} tables",
+            x.dtype(),
+            x.dims(),
+            cos.dtype()
+        )));
+    };
+    let half = rd / 2;
+    if hd > 0 && rd > 0 {
+        let mut rot = vec![0f32; rd];
+        for (i, head_row) in v.chunks_exact_mut(hd).enumerate() {
+            let p = i % t;
+            let (cr, sr) = (&c[p * rd..(p + 1) * rd], &s[p * rd..(p + 1) * rd]);
+            let (x1, x2) = head_row[..rd].split_at(half);
+            for j in 0..half {
+                rot[j] = x1[j] * cr[j] + -x2[j] * sr[j];
+                rot[half + j] = x2[j] * cr[half + j] + x1[j] * sr[half + j];
+            }
+            head_row[..rd].copy_from_slice(&rot);
+        }
+    }
+    Ok(Tensor::from_vec(v, x.dims(), x.device())?)
 }
 
 /// Softmax over the last dimension (the maximum is subtracted first).
@@ -492,6 +591,86 @@ mod tests {
         assert!(max_rel_diff(&fused, &plain) < 1e-6);
         let short = Tensor::from_vec(values(575, 9), 575, &Device::Cpu).unwrap();
         assert!(rms_norm(&x, &short, eps).is_err());
+    }
+
+    fn same_bits(a: &Tensor, b: &Tensor) -> bool {
+        a.dims() == b.dims()
+            && a.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .zip(&b.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// The one-pass sum and gated product give candle's bits (its `+`, `silu` and `*`,
+    /// with its thread pool on large tensors), on values from -40 to 40 and signed zeros,
+    /// and refuse shapes that differ.
+    #[test]
+    fn sum_and_gated_product_are_candles_bits() {
+        let mut g = values(3 * 5 * 1536, 11);
+        g.iter_mut().step_by(7).for_each(|v| *v *= 40.0);
+        g[0] = -0.0;
+        g[1] = 0.0;
+        let g = Tensor::from_vec(g, (3, 5, 1536), &Device::Cpu).unwrap();
+        let u = tensor((1, 3, 5, 1536), 12, 3.0)
+            .reshape((3, 5, 1536))
+            .unwrap();
+        assert!(same_bits(&add(&g, &u).unwrap(), &(&g + &u).unwrap()));
+        assert!(same_bits(
+            &silu_mul(&g, &u).unwrap(),
+            &(g.silu().unwrap() * &u).unwrap()
+        ));
+        let other = u.narrow(2, 0, 1535).unwrap();
+        assert!(add(&g, &other).is_err());
+        assert!(silu_mul(&g, &other).is_err());
+    }
+
+    /// The chain of candle ops [`rotary`] replaces, as the decoder ran it.
+    fn plain_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let hd = x.dim(3).unwrap();
+        let rd = cos.dim(1).unwrap();
+        let rot = x.narrow(3, 0, rd).unwrap();
+        let x1 = rot.narrow(3, 0, rd / 2).unwrap();
+        let x2 = rot.narrow(3, rd / 2, rd / 2).unwrap();
+        let rotated = Tensor::cat(&[&x2.neg().unwrap(), &x1], 3).unwrap();
+        let out = (rot.broadcast_mul(cos).unwrap() + rotated.broadcast_mul(sin).unwrap()).unwrap();
+        if rd == hd {
+            out
+        } else {
+            Tensor::cat(&[&out, &x.narrow(3, rd, hd - rd).unwrap()], 3)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        }
+    }
+
+    /// [`rotary`] gives the plain chain's bits, full and partial (a quarter of each head
+    /// rotated), a batch of two, several heads; tables that do not fit are refused.
+    #[test]
+    fn rotary_is_the_plain_chain_of_ops() {
+        for (b, h, t, hd, rd) in [(1, 9, 37, 64, 64), (2, 3, 5, 64, 16), (1, 1, 1, 8, 8)] {
+            let x = tensor((b, h, t, hd), 21, 2.0);
+            let angles: Vec<f32> = (0..t * rd).map(|i| i as f32 * 0.37).collect();
+            let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+            let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+            let cos = Tensor::from_vec(cos, (t, rd), &Device::Cpu).unwrap();
+            let sin = Tensor::from_vec(sin, (t, rd), &Device::Cpu).unwrap();
+            let fused = rotary(&x, &cos, &sin).unwrap();
+            assert!(
+                same_bits(&fused, &plain_rotary(&x, &cos, &sin)),
+                "{b} {h} {t} {hd} {rd}"
+            );
+            if t > 1 {
+                assert!(rotary(&x, &cos.narrow(0, 0, t - 1).unwrap(), &sin).is_err());
+            }
+        }
+        let x = tensor((1, 2, 3, 8), 1, 1.0);
+        let wide = Tensor::zeros((3, 10), DType::F32, &Device::Cpu).unwrap();
+        assert!(rotary(&x, &wide, &wide).is_err());
+        let odd = Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap();
+        assert!(rotary(&x, &odd, &odd).is_err());
     }
 
     #[test]

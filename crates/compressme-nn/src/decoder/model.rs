@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::{Activation, DecoderConfig, Family};
-use crate::ops::LayerNorm;
+use crate::ops::{LayerNorm, add};
 use crate::{Embedding, Error, Hooks, Linear, Model, ModuleMut, ModuleRef, Result};
 
 /// How module weights are laid out in the tensors a decoder is built from.
@@ -625,8 +625,8 @@ impl Decoder {
         };
         let (mut q, mut k, mut v) = (split(q, heads)?, split(k, kvh)?, split(v, kvh)?);
         if let Some((cos, sin)) = rope {
-            q = apply_rope(&q, cos, sin)?;
-            k = apply_rope(&k, cos, sin)?;
+            q = crate::ops::rotary(&q, cos, sin)?;
+            k = crate::ops::rotary(&k, cos, sin)?;
         }
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {
@@ -651,7 +651,12 @@ impl Decoder {
         };
         match &b.mlp {
             Mlp::Gated { gate, up, down } => {
-                down.forward(&(act(gate.forward(h)?)? * up.forward(h)?)?)
+                let (g, u) = (gate.forward(h)?, up.forward(h)?);
+                let product = match self.cfg.activation {
+                    Activation::Silu => crate::ops::silu_mul(&g, &u)?,
+                    _ => (act(g)? * u)?,
+                };
+                down.forward(&product)
             }
             Mlp::Plain { up, down } => down.forward(&act(up.forward(h)?)?),
         }
@@ -705,11 +710,11 @@ impl Decoder {
         let a = self.attention(b, &h, rope, past, slot)?;
         Ok(if self.cfg.parallel_residual {
             let m = self.mlp(b, &b.ln2.forward(&x)?)?;
-            ((x + a)? + m)?
+            add(&add(&x, &a)?, &m)?
         } else {
-            let x = (x + a)?;
+            let x = add(&x, &a)?;
             let m = self.mlp(b, &b.ln2.forward(&x)?)?;
-            (x + m)?
+            add(&x, &m)?
         })
     }
 
@@ -860,23 +865,6 @@ impl Decoder {
 
 /// Positions the output head runs on at a time in [`Decoder::logit_rows`].
 const HEAD_CHUNK: usize = 64;
-
-/// `x * cos + rotate_half(x) * sin` on the leading `cos.dim(1)` features of each head of
-/// `x` `[b, h, t, hd]`; the rest pass through (partial rotary).
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let hd = x.dim(3)?;
-    let rd = cos.dim(1)?;
-    let rot = x.narrow(3, 0, rd)?;
-    let x1 = rot.narrow(3, 0, rd / 2)?;
-    let x2 = rot.narrow(3, rd / 2, rd / 2)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], 3)?;
-    let out = (rot.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
-    if rd == hd {
-        Ok(out)
-    } else {
-        Ok(Tensor::cat(&[&out, &x.narrow(3, rd, hd - rd)?], 3)?.contiguous()?)
-    }
-}
 
 impl Model for Decoder {
     fn module_names(&self) -> Vec<String> {
