@@ -93,7 +93,11 @@ pub fn from_f32(dtype: Dtype, values: &[f32]) -> Vec<u8> {
 
 /// Writes a plain safetensors file from an artifact: every tensor under its own name and
 /// dtype, byte-identical to the original for dense and lossless storage (dequantized for
-/// quantized tensors), with the source's `__metadata__`. Streams a tensor at a time;
+/// quantized tensors), with the source's `__metadata__`. A version-3 artifact records the
+/// source file's header: it is written as it was and each tensor at its offset, so an
+/// artifact whose tensors are all dense or lossless unpacks to the source file byte for
+/// byte (its SHA-256 is the source's); before version 3 the header is compressme's own,
+/// tensors in name order. Streams a tensor at a time;
 /// written beside `dest` and renamed when complete (synced to the disk first with
 /// [`Durability::Synced`]).
 ///
@@ -119,18 +123,40 @@ pub fn unpack(
             }
         })
         .collect();
-    let header = header_bytes(&planned, &artifact.recipe().source_metadata)?;
+    // version 3: the source file's own header, and its tensors at its offsets (checked
+    // against the recipe at open); before it, a header of our own in the recipe's order
+    let (header, offsets) = match (artifact.source_header(), artifact.source_entries()) {
+        (Some(text), Some(entries)) => {
+            let mut header = (text.len() as u64).to_le_bytes().to_vec();
+            header.extend_from_slice(text);
+            let start = header.len() as u64;
+            let offsets: std::collections::HashMap<&str, u64> = entries
+                .iter()
+                .map(|e| (e.name.as_str(), start.saturating_add(e.begin)))
+                .collect();
+            let offsets = tensors
+                .iter()
+                .map(|t| offsets.get(t.name.as_str()).copied().unwrap_or(u64::MAX))
+                .collect::<Vec<u64>>();
+            (header, offsets)
+        }
+        _ => {
+            let header = header_bytes(&planned, &artifact.recipe().source_metadata)?;
+            let mut at = header.len() as u64;
+            let mut offsets = Vec::with_capacity(tensors.len());
+            for p in &planned {
+                offsets.push(at);
+                at = at.saturating_add(p.len);
+            }
+            (header, offsets)
+        }
+    };
     let mut out = AtomicFile::create(dest)?;
     out.set_durability(durability);
     out.write_all(&header)?;
     // every tensor's place in the file is known from the header: tensors are decoded in
     // parallel, each written at its offset as it streams, so writing overlaps decoding
-    let mut at = header.len() as u64;
-    let mut items = Vec::with_capacity(tensors.len());
-    for (t, p) in tensors.iter().zip(&planned) {
-        items.push((t, at));
-        at = at.saturating_add(p.len);
-    }
+    let items: Vec<(&TensorRecipe, u64)> = tensors.iter().zip(offsets).collect();
     let art: &Artifact = artifact;
     let out_ref = &out;
     // one writer at a time: concurrent writes to one file spin on its lock in the kernel

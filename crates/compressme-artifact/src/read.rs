@@ -17,7 +17,8 @@ use crate::convert::{from_f32, to_f32, value_kind};
 use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, hex, sha256_hex};
 use crate::st::{Dtype, Entry, Limits, Mapped, SafetensorsFile};
 use crate::validate::{
-    blocks_name, check_decoded, codes_name, decoded_bytes, mins_name, payload_names, scales_name,
+    SourceHeader, blocks_name, check_decoded, codes_name, decoded_bytes, mins_name, payload_names,
+    scales_name,
 };
 use crate::{Error, Result};
 
@@ -60,6 +61,7 @@ pub struct Artifact {
     file: SafetensorsFile,
     recipe: Recipe,
     file_bytes: u64,
+    source: Option<SourceHeader>,
 }
 
 impl Artifact {
@@ -79,12 +81,26 @@ impl Artifact {
                 source,
             })?
             .len();
-        let recipe = crate::validate::recipe(path, &file, limits)?;
+        let (recipe, source) = crate::validate::recipe(path, &file, limits)?;
         Ok(Self {
             file,
             recipe,
             file_bytes,
+            source,
         })
+    }
+
+    /// Version 3: the source file's header text (after its length prefix), checked
+    /// against the recipe's digest and tensors at open; [`crate::unpack`] writes it and
+    /// lays the tensors out at its offsets. `None` before version 3.
+    #[must_use]
+    pub fn source_header(&self) -> Option<&[u8]> {
+        self.source.as_ref().map(|s| s.text.as_slice())
+    }
+
+    /// The source header's tensors, by offset (see [`Artifact::source_header`]).
+    pub(crate) fn source_entries(&self) -> Option<&[Entry]> {
+        self.source.as_ref().map(|s| s.entries.as_slice())
     }
 
     /// The recipe.

@@ -5,11 +5,16 @@ use serde::{Deserialize, Serialize};
 
 /// The recipe's `format` field.
 pub const FORMAT_NAME: &str = "compressme-artifact";
-/// The version this build writes.
+/// The version this build writes for an artifact that records no source header (every
+/// artifact a benchmark writes, so their reports' `artifact_version`).
 pub const VERSION: u32 = 2;
-/// The versions this build reads: 1 (every block digest in the recipe) and 2 (the block
-/// store's index digest, which seals them, instead).
-pub const READABLE: [u32; 2] = [1, 2];
+/// The version this build writes for an artifact that records its source file's header
+/// ([`Recipe::source_header_sha256`]), so that `unpack` gives back the file byte for byte.
+pub const VERSION_SOURCE_HEADER: u32 = 3;
+/// The versions this build reads: 1 (every block digest in the recipe), 2 (the block
+/// store's index digest, which seals them, instead) and 3 (version 2 and the source
+/// file's header).
+pub const READABLE: [u32; 3] = [1, 2, 3];
 /// `__metadata__` key holding the recipe JSON.
 pub const RECIPE_KEY: &str = "compressme.recipe";
 /// `__metadata__` key holding the format name.
@@ -18,6 +23,8 @@ pub const FORMAT_KEY: &str = "format";
 pub const VERSION_KEY: &str = "compressme.version";
 /// `__metadata__` key holding the SHA-256 of the recipe JSON string.
 pub const RECIPE_SHA_KEY: &str = "compressme.recipe_sha256";
+/// `__metadata__` key holding the source file's header text (version 3).
+pub const SOURCE_HEADER_KEY: &str = "compressme.source_header";
 
 /// Everything needed to rebuild each original tensor, and what was used to make them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,6 +53,12 @@ pub struct Recipe {
     /// The source checkpoint's own `__metadata__`, restored by unpack.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub source_metadata: std::collections::BTreeMap<String, String>,
+    /// Version 3 only: SHA-256 of the source file's header text, which
+    /// `__metadata__[SOURCE_HEADER_KEY]` holds (the bytes after the source's length
+    /// prefix, padding included); `unpack` writes that header and lays the tensors out
+    /// at its offsets, which gives back the source file byte for byte.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_header_sha256: Option<String>,
 }
 
 /// One original tensor.

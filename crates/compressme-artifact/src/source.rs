@@ -83,6 +83,17 @@ impl Checkpoint {
         &self.metadata
     }
 
+    /// A checkpoint of one file: its header as it is in the file (after the length
+    /// prefix), for [`crate::Writer::set_source_header`]. `None` for a sharded one (its
+    /// shards' headers are not recorded; `unpack` writes one file).
+    #[must_use]
+    pub fn source_header(&self) -> Option<&[u8]> {
+        match self.files.as_slice() {
+            [one] => Some(one.header_text()),
+            _ => None,
+        }
+    }
+
     /// Bytes of the largest tensor.
     #[must_use]
     pub fn largest(&self) -> u64 {

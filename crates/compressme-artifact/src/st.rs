@@ -232,6 +232,86 @@ pub struct SafetensorsFile {
     entries: Vec<Entry>,
     metadata: BTreeMap<String, String>,
     padded: bool,
+    /// The header's bytes, after the length prefix.
+    header: Vec<u8>,
+}
+
+/// A header parsed and checked ([`parse_header`]).
+pub(crate) struct Parsed {
+    /// The tensors, in file order.
+    pub(crate) entries: Vec<Entry>,
+    pub(crate) metadata: BTreeMap<String, String>,
+    /// Padded as compressme writes it.
+    pub(crate) padded: bool,
+}
+
+/// Parses a safetensors header's bytes (after the length prefix) for a data section of
+/// `data_len` bytes, strictly: unique keys, every dtype, each shape's size against its
+/// byte range and `limits`, and the ranges tiling the data section exactly. The entries
+/// come sorted by offset.
+///
+/// # Errors
+/// [`Error::NotSafetensors`] naming what is wrong (`path` names the file it came from),
+/// [`Error::TooLarge`], [`Error::UnsupportedDtype`].
+pub(crate) fn parse_header(
+    path: &Path,
+    header: &[u8],
+    data_len: u64,
+    limits: &Limits,
+) -> Result<Parsed> {
+    let json: StrictHeader = serde_json::from_slice(header)
+        .map_err(|e| bad(path, format!("header is not a JSON object: {e}")))?;
+    // padded as compressme writes it: spaces only after the object, to a multiple of 8
+    let body_end = header
+        .iter()
+        .rposition(|&b| b != b' ')
+        .map_or(0, |i| i.saturating_add(1));
+    let padded = (header.len() as u64).is_multiple_of(8)
+        && header.get(..body_end).is_some_and(|h| h.ends_with(b"}"));
+    if json.entries.len() > limits.max_tensors {
+        return Err(Error::TooLarge {
+            path: path.to_path_buf(),
+            what: "the tensor count".into(),
+            got: json.entries.len() as u64,
+            limit: limits.max_tensors as u64,
+        });
+    }
+    let mut metadata = BTreeMap::new();
+    for (k, v) in json.metadata.unwrap_or_default() {
+        let s = v
+            .as_str()
+            .ok_or_else(|| bad(path, format!("metadata `{k}` is not a string")))?;
+        metadata.insert(k, s.to_string());
+    }
+    let mut entries = Vec::with_capacity(json.entries.len());
+    for (name, v) in json.entries {
+        entries.push(parse_entry(path, name, &v, limits, data_len)?);
+    }
+    entries.sort_by_key(|e| (e.begin, e.end));
+    let mut at = 0;
+    for e in &entries {
+        if e.begin != at {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor `{}` starts at {} where {at} was expected (gap or overlap)",
+                    e.name, e.begin
+                ),
+            ));
+        }
+        at = e.end;
+    }
+    if at != data_len {
+        return Err(bad(
+            path,
+            format!("tensors cover {at} bytes of a {data_len}-byte data section"),
+        ));
+    }
+    Ok(Parsed {
+        entries,
+        metadata,
+        padded,
+    })
 }
 
 /// A safetensors header read strictly: its keys in order, `__metadata__` apart (an
@@ -361,56 +441,13 @@ impl SafetensorsFile {
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header).map_err(io(path))?;
-        let json: StrictHeader = serde_json::from_slice(&header)
-            .map_err(|e| bad(path, format!("header is not a JSON object: {e}")))?;
-        // padded as compressme writes it: spaces only after the object, to a multiple of 8
-        let body_end = header
-            .iter()
-            .rposition(|&b| b != b' ')
-            .map_or(0, |i| i.saturating_add(1));
-        let padded =
-            n.is_multiple_of(8) && header.get(..body_end).is_some_and(|h| h.ends_with(b"}"));
-        if json.entries.len() > limits.max_tensors {
-            return Err(Error::TooLarge {
-                path: path.to_path_buf(),
-                what: "the tensor count".into(),
-                got: json.entries.len() as u64,
-                limit: limits.max_tensors as u64,
-            });
-        }
         // the header fits the file (checked above)
         let data_len = size.saturating_sub(8).saturating_sub(n);
-        let mut metadata = BTreeMap::new();
-        for (k, v) in json.metadata.unwrap_or_default() {
-            let s = v
-                .as_str()
-                .ok_or_else(|| bad(path, format!("metadata `{k}` is not a string")))?;
-            metadata.insert(k, s.to_string());
-        }
-        let mut entries = Vec::with_capacity(json.entries.len());
-        for (name, v) in json.entries {
-            entries.push(parse_entry(path, name, &v, limits, data_len)?);
-        }
-        entries.sort_by_key(|e| (e.begin, e.end));
-        let mut at = 0;
-        for e in &entries {
-            if e.begin != at {
-                return Err(bad(
-                    path,
-                    format!(
-                        "tensor `{}` starts at {} where {at} was expected (gap or overlap)",
-                        e.name, e.begin
-                    ),
-                ));
-            }
-            at = e.end;
-        }
-        if at != data_len {
-            return Err(bad(
-                path,
-                format!("tensors cover {at} bytes of a {data_len}-byte data section"),
-            ));
-        }
+        let Parsed {
+            entries,
+            metadata,
+            padded,
+        } = parse_header(path, &header, data_len, limits)?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -418,7 +455,15 @@ impl SafetensorsFile {
             entries,
             metadata,
             padded,
+            header,
         })
+    }
+
+    /// The header's bytes as they are in the file (after the length prefix, padding
+    /// included): with the tensors' bytes laid out by their offsets, the whole file.
+    #[must_use]
+    pub fn header_text(&self) -> &[u8] {
+        &self.header
     }
 
     /// Whether the header is padded as compressme writes it: `N` a multiple of 8, and

@@ -11,10 +11,10 @@ use compressme_quant::Format;
 
 use crate::convert::row_view;
 use crate::recipe::{
-    FORMAT_KEY, FORMAT_NAME, READABLE, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe,
-    TensorRecipe, VERSION_KEY, sha256_hex,
+    FORMAT_KEY, FORMAT_NAME, READABLE, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, SOURCE_HEADER_KEY,
+    StorageRecipe, TensorRecipe, VERSION_KEY, VERSION_SOURCE_HEADER, sha256_hex,
 };
-use crate::st::{Dtype, EXPANSION_FLOOR, Entry, Limits, SafetensorsFile};
+use crate::st::{Dtype, EXPANSION_FLOOR, Entry, Limits, SafetensorsFile, parse_header};
 use crate::{Error, Result};
 
 /// Payload name of a lossless tensor's block store.
@@ -38,10 +38,25 @@ pub fn mins_name(tensor: &str) -> String {
     format!("cm.mins/{tensor}")
 }
 
+/// A version-3 artifact's record of its source file's header: the text, and its tensors
+/// (sorted by offset) matched one to one with the recipe's.
+#[derive(Debug, Clone)]
+pub(crate) struct SourceHeader {
+    /// The header's bytes, after the length prefix.
+    pub(crate) text: Vec<u8>,
+    /// Its tensors, by offset.
+    pub(crate) entries: Vec<Entry>,
+}
+
 /// The recipe of the safetensors file at `path`, checked: the format name and version,
 /// the recipe's digest, its fields, every tensor against its payload, no stray payload,
-/// and the decoded-size `limits`.
-pub(crate) fn recipe(path: &Path, file: &SafetensorsFile, limits: &Limits) -> Result<Recipe> {
+/// the decoded-size `limits`, and (version 3) the source header against its digest and
+/// the recipe.
+pub(crate) fn recipe(
+    path: &Path,
+    file: &SafetensorsFile,
+    limits: &Limits,
+) -> Result<(Recipe, Option<SourceHeader>)> {
     let md = file.metadata();
     let not = |reason: &str| Error::NotArtifact {
         path: path.to_path_buf(),
@@ -113,7 +128,81 @@ pub(crate) fn recipe(path: &Path, file: &SafetensorsFile, limits: &Limits) -> Re
         )));
     }
     check_decoded(path, file, &recipe, limits)?;
-    Ok(recipe)
+    let source = source_header(path, file, &recipe, limits)?;
+    Ok((recipe, source))
+}
+
+/// Version 3's source header: present exactly in version 3, its text's SHA-256 the
+/// recipe's, parsed strictly for the data section the recipe's tensors decode to, and
+/// naming the recipe's tensors with their dtypes and shapes, each once.
+fn source_header(
+    path: &Path,
+    file: &SafetensorsFile,
+    recipe: &Recipe,
+    limits: &Limits,
+) -> Result<Option<SourceHeader>> {
+    let bad = |reason: String| Error::Recipe {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = file.metadata().get(SOURCE_HEADER_KEY);
+    let digest = recipe.source_header_sha256.as_ref();
+    if recipe.version < VERSION_SOURCE_HEADER {
+        if text.is_some() || digest.is_some() {
+            return Err(bad(format!(
+                "version {} has no source header (`{SOURCE_HEADER_KEY}`, `source_header_sha256`)",
+                recipe.version
+            )));
+        }
+        return Ok(None);
+    }
+    let (Some(text), Some(digest)) = (text, digest) else {
+        return Err(bad(format!(
+            "version {} needs `{SOURCE_HEADER_KEY}` in __metadata__ and the recipe's \
+             `source_header_sha256`",
+            recipe.version
+        )));
+    };
+    if sha256_hex(text.as_bytes()) != *digest {
+        return Err(Error::Digest {
+            tensor: "(source header)".into(),
+            what: format!("`{SOURCE_HEADER_KEY}` in __metadata__"),
+        });
+    }
+    let data_len = recipe
+        .tensors
+        .iter()
+        .try_fold(0u64, |a, t| decoded_bytes(t).and_then(|d| a.checked_add(d)))
+        .ok_or_else(|| bad("the tensors' sizes overflow".into()))?;
+    let parsed = parse_header(path, text.as_bytes(), data_len, limits)
+        .map_err(|e| bad(format!("the source header: {e}")))?;
+    if parsed.entries.len() != recipe.tensors.len() {
+        return Err(bad(format!(
+            "the source header names {} tensors, the recipe {}",
+            parsed.entries.len(),
+            recipe.tensors.len()
+        )));
+    }
+    for e in &parsed.entries {
+        let same = recipe
+            .tensors
+            .binary_search_by(|t| t.name.as_str().cmp(e.name.as_str()))
+            .ok()
+            .and_then(|i| recipe.tensors.get(i))
+            .is_some_and(|t| t.dtype == e.dtype.name() && t.shape == e.shape);
+        if !same {
+            return Err(bad(format!(
+                "the source header's tensor `{}` ({} {:?}) is not the recipe's",
+                e.name,
+                e.dtype.name(),
+                e.shape
+            )));
+        }
+    }
+    Ok(Some(SourceHeader {
+        text: text.as_bytes().to_vec(),
+        entries: parsed.entries,
+    }))
 }
 
 /// What a recipe entry decodes to, in bytes (`None` when that overflows).

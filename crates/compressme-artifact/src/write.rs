@@ -14,8 +14,8 @@ use compressme_quant::Format;
 use crate::convert::{row_view, to_f32, value_kind};
 use crate::read::{Artifact, Summary};
 use crate::recipe::{
-    FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, StorageRecipe, TensorRecipe,
-    VERSION, VERSION_KEY, hex, sha256_hex,
+    FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, SOURCE_HEADER_KEY, StorageRecipe,
+    TensorRecipe, VERSION, VERSION_KEY, VERSION_SOURCE_HEADER, hex, sha256_hex,
 };
 use crate::st::{AtomicFile, Dtype, Durability, Limits, Planned, header_bytes};
 use crate::validate::{blocks_name, codes_name, mins_name, scales_name};
@@ -146,6 +146,8 @@ pub struct Writer {
     recipe: Recipe,
     paranoid: bool,
     durability: Durability,
+    /// The source file's header text, to be recorded (version 3).
+    source_header: Option<String>,
 }
 
 impl Writer {
@@ -164,6 +166,7 @@ impl Writer {
             names: HashSet::new(),
             paranoid: false,
             durability: Durability::default(),
+            source_header: None,
             recipe: Recipe {
                 format: FORMAT_NAME.into(),
                 version: VERSION,
@@ -174,8 +177,89 @@ impl Writer {
                 calibration_sha256: None,
                 tokenizer_sha256: None,
                 source_metadata: BTreeMap::new(),
+                source_header_sha256: None,
             },
         })
+    }
+
+    /// Records the header of the safetensors file the tensors come from (its bytes
+    /// after the length prefix, padding included: [`crate::SafetensorsFile::header_text`]),
+    /// so that [`crate::unpack`] writes that header and lays the tensors out at its
+    /// offsets: the source file again, byte for byte, when every tensor is stored dense or
+    /// losslessly. The artifact is then written in version 3. Call it before
+    /// [`Writer::header_room`]; [`Writer::finish`] refuses a header whose tensors are
+    /// not the ones added, by name, dtype and shape.
+    ///
+    /// # Errors
+    /// A header that is not UTF-8 (a safetensors header is JSON).
+    pub fn set_source_header(&mut self, text: &[u8]) -> Result<()> {
+        let text = std::str::from_utf8(text).map_err(|e| Error::Invalid {
+            tensor: String::new(),
+            reason: format!("the source header is not UTF-8: {e}"),
+        })?;
+        self.recipe.version = VERSION_SOURCE_HEADER;
+        self.recipe.source_header_sha256 = Some(sha256_hex(text.as_bytes()));
+        self.source_header = Some(text.to_string());
+        Ok(())
+    }
+
+    /// The recipe as it will be written: the caller's fields, with the version and the
+    /// source header's digest as [`Writer::set_source_header`] left them.
+    fn recipe_to_write(&self) -> Recipe {
+        let mut recipe = self.recipe.clone();
+        recipe.source_header_sha256 = self.source_header.as_deref().map(|t| sha256_hex(t.as_bytes()));
+        recipe.version = if self.source_header.is_some() {
+            VERSION_SOURCE_HEADER
+        } else {
+            VERSION
+        };
+        recipe
+    }
+
+    /// The recorded source header names exactly the tensors added, with their dtypes and
+    /// shapes, and tiles their bytes.
+    fn check_source_header(&self) -> Result<()> {
+        let Some(text) = &self.source_header else {
+            return Ok(());
+        };
+        let invalid = |reason: String| Error::Invalid {
+            tensor: String::new(),
+            reason: format!("the source header does not describe these tensors: {reason}"),
+        };
+        let data_len = self
+            .tensors
+            .iter()
+            .try_fold(0u64, |a, t| {
+                crate::validate::decoded_bytes(t).and_then(|d| a.checked_add(d))
+            })
+            .ok_or_else(|| invalid("sizes overflow".into()))?;
+        let parsed = crate::st::parse_header(&self.dest, text.as_bytes(), data_len, &Limits::default())
+            .map_err(|e| invalid(e.to_string()))?;
+        let mut theirs: Vec<(&str, &str, &[usize])> = parsed
+            .entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.dtype.name(), e.shape.as_slice()))
+            .collect();
+        let mut ours: Vec<(&str, &str, &[usize])> = self
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice()))
+            .collect();
+        theirs.sort_unstable();
+        ours.sort_unstable();
+        if theirs != ours {
+            let odd = theirs
+                .iter()
+                .find(|t| !ours.contains(t))
+                .or_else(|| ours.iter().find(|t| !theirs.contains(t)))
+                .map_or_else(String::new, |(n, d, s)| format!("`{n}` ({d} {s:?})"));
+            return Err(invalid(format!(
+                "{} tensors in the header, {} added; first difference {odd}",
+                theirs.len(),
+                ours.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Whether [`Writer::finish`] decodes every block and hashes every tensor again after
@@ -235,7 +319,7 @@ impl Writer {
     pub fn header_room(&self, tensors: &[(&str, Dtype, &[usize], &Storage)]) -> Result<u64> {
         let digest = || "0".repeat(64);
         let mut planned = Vec::new();
-        let mut recipe = self.recipe.clone();
+        let mut recipe = self.recipe_to_write();
         for &(name, dtype, shape, storage) in tensors {
             let dense = shape
                 .iter()
@@ -291,7 +375,7 @@ impl Writer {
                 storage,
             });
         }
-        let metadata = metadata(&recipe, &self.dest)?;
+        let metadata = metadata(&recipe, &self.dest, self.source_header.as_deref())?;
         let header = header_bytes(&planned, &metadata)?.len() as u64;
         // every field above is at its widest already: the spare is for safety only
         let spare = (tensors.len() as u64).saturating_add(64);
@@ -706,11 +790,13 @@ impl Writer {
     /// # Errors
     /// [`Error::Io`], and any verification failure (the file is then removed).
     pub fn finish(self) -> Result<Summary> {
-        let mut recipe = self.recipe.clone();
+        self.check_source_header()?;
+        let mut recipe = self.recipe_to_write();
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
         order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
         recipe.tensors = order.iter().map(|&i| self.tensors[i].clone()).collect();
-        let header = header_bytes(&self.planned, &metadata(&recipe, &self.dest)?)?;
+        let metadata = metadata(&recipe, &self.dest, self.source_header.as_deref())?;
+        let header = header_bytes(&self.planned, &metadata)?;
         let mut out = match self.room {
             Some(room) => {
                 // the payloads are in place after the room: the header fills it, padded
@@ -783,11 +869,19 @@ fn lossless_recipe(
     }
 }
 
-/// The artifact's `__metadata__`: format, version, the recipe and its digest.
-fn metadata(recipe: &Recipe, dest: &Path) -> Result<BTreeMap<String, String>> {
+/// The artifact's `__metadata__`: format, version, the recipe and its digest, and the
+/// source header when one is recorded (version 3).
+fn metadata(
+    recipe: &Recipe,
+    dest: &Path,
+    source_header: Option<&str>,
+) -> Result<BTreeMap<String, String>> {
     let mut metadata = BTreeMap::new();
     metadata.insert(FORMAT_KEY.to_string(), FORMAT_NAME.to_string());
-    metadata.insert(VERSION_KEY.to_string(), VERSION.to_string());
+    metadata.insert(VERSION_KEY.to_string(), recipe.version.to_string());
+    if let Some(text) = source_header {
+        metadata.insert(SOURCE_HEADER_KEY.to_string(), text.to_string());
+    }
     let json = serde_json::to_string(recipe).map_err(|e| Error::Recipe {
         path: dest.to_path_buf(),
         reason: e.to_string(),

@@ -328,6 +328,12 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     w.set_durability(durability(a.fsync));
     w.recipe_mut().source_metadata = metadata;
     w.recipe_mut().tokenizer_sha256 = tokenizer_sha;
+    // a checkpoint of one file: its header is recorded, so `unpack` gives the file back
+    if let Input::Checkpoint(c) = &ckpt
+        && let Some(text) = c.source_header()
+    {
+        w.set_source_header(text)?;
+    }
     if let Some(p) = &profile {
         w.recipe_mut().calibration_sha256 = Some(p.calibration_sha256.clone());
     }
