@@ -408,6 +408,27 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             .arg("-o")
             .arg(&back))?;
         decode(&art, Some(&back))?;
+        // version 3: a one-file checkpoint packed without quantizing unpacks to itself
+        let lossless = !case.iter().any(|a| *a == "--format");
+        let same = std::fs::read(&back).map_err(|e| e.to_string())?
+            == std::fs::read(&tiny).map_err(|e| e.to_string())?;
+        if lossless && !same {
+            return Err(format!(
+                "unpack of case {case:?} is not the source file byte for byte"
+            ));
+        }
+    }
+    // version 3's frozen sample rebuilds its source file, and its corrupt variants fail
+    let v3 = root.join("fixtures/artifact/v3");
+    decode(&v3.join("sample.cma"), Some(&v3.join("source.safetensors")))?;
+    for bad in [
+        "flipped_source_header.cma",
+        "truncated.cma",
+        "bad_version.cma",
+    ] {
+        if decode(&v3.join(bad), None).is_ok() {
+            return Err(format!("decode.py accepted fixtures/artifact/v3/{bad}"));
+        }
     }
     for version in ["v1", "v2"] {
         let dir = root.join("fixtures/artifact").join(version);

@@ -207,7 +207,10 @@ impl Writer {
     /// source header's digest as [`Writer::set_source_header`] left them.
     fn recipe_to_write(&self) -> Recipe {
         let mut recipe = self.recipe.clone();
-        recipe.source_header_sha256 = self.source_header.as_deref().map(|t| sha256_hex(t.as_bytes()));
+        recipe.source_header_sha256 = self
+            .source_header
+            .as_deref()
+            .map(|t| sha256_hex(t.as_bytes()));
         recipe.version = if self.source_header.is_some() {
             VERSION_SOURCE_HEADER
         } else {
@@ -233,8 +236,9 @@ impl Writer {
                 crate::validate::decoded_bytes(t).and_then(|d| a.checked_add(d))
             })
             .ok_or_else(|| invalid("sizes overflow".into()))?;
-        let parsed = crate::st::parse_header(&self.dest, text.as_bytes(), data_len, &Limits::default())
-            .map_err(|e| invalid(e.to_string()))?;
+        let parsed =
+            crate::st::parse_header(&self.dest, text.as_bytes(), data_len, &Limits::default())
+                .map_err(|e| invalid(e.to_string()))?;
         let mut theirs: Vec<(&str, &str, &[usize])> = parsed
             .entries
             .iter()

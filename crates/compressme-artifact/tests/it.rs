@@ -1180,3 +1180,326 @@ fn large_writes_are_whole_and_in_place() {
     assert!(got == want, "the file differs from what was written");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A safetensors file written by hand the way other tools write them: tensors in an order
+/// of their own (not by name), `__metadata__` first, the header padded with spaces to
+/// `pad` (8 as the safetensors crate does; 1 for none). Returns its bytes.
+fn foreign_safetensors(pad: usize) -> Vec<u8> {
+    let tensors: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = vec![
+        (
+            "position_ids",
+            "I64",
+            vec![1, 16],
+            (0i64..16).flat_map(i64::to_le_bytes).collect(),
+        ),
+        ("z.weight", "F32", vec![64, 48], weights(64 * 48, 11)),
+        ("a.bias", "F32", vec![5], weights(5, 12)),
+        (
+            "m.weight",
+            "BF16",
+            vec![40, 64],
+            bf16(&weights(40 * 64, 13)),
+        ),
+    ];
+    let mut json = String::from(r#"{"__metadata__":{"format":"pt","note":"made by hand"}"#);
+    let mut at = 0;
+    for (name, dtype, shape, bytes) in &tensors {
+        let end = at + bytes.len();
+        json.push_str(&format!(
+            r#","{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{at},{end}]}}"#
+        ));
+        at = end;
+    }
+    json.push('}');
+    while json.len() % pad != 0 {
+        json.push(' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(json.as_bytes());
+    for (_, _, _, bytes) in &tensors {
+        out.extend_from_slice(bytes);
+    }
+    out
+}
+
+/// Packs the one-file checkpoint at `src` into `dest` as `compressme pack --lossless`
+/// does: floats in row blocks, the rest dense, the source header recorded (version 3).
+fn pack_recording_header(src: &Path, dest: &Path) {
+    let c = compressme_artifact::Checkpoint::open(src, &Limits::default()).unwrap();
+    let mut w = Writer::create(dest).unwrap();
+    w.recipe_mut().source_metadata = c.metadata().clone();
+    w.set_source_header(c.source_header().unwrap()).unwrap();
+    for e in c.entries() {
+        let bytes = c.read(&e.name).unwrap();
+        if e.dtype.is_float() {
+            w.add_lossless(&e.name, e.dtype, &e.shape, &bytes, 16, Coder::default())
+                .unwrap();
+        } else {
+            w.add_dense(&e.name, e.dtype, &e.shape, &bytes).unwrap();
+        }
+    }
+    w.finish().unwrap();
+}
+
+/// Version 3: a one-file checkpoint in another tool's tensor order, header padded or not,
+/// unpacks to the same file, byte for byte; before version 3 (no header recorded) the
+/// tensors are the same but the file is not.
+#[test]
+fn version_3_unpacks_the_source_file_byte_for_byte() {
+    let d = tmp("v3-exact");
+    for pad in [8, 1] {
+        let src = d.join(format!("src{pad}.safetensors"));
+        let original = foreign_safetensors(pad);
+        assert_eq!(header_len(&original) % 8 == 0, pad == 8);
+        std::fs::write(&src, &original).unwrap();
+        let art = d.join(format!("a{pad}.cma"));
+        pack_recording_header(&src, &art);
+        let mut a = Artifact::open(&art, &Limits::default()).unwrap();
+        assert_eq!(a.recipe().version, 3);
+        assert_eq!(
+            a.source_header(),
+            Some(&original[8..8 + header_len(&original)])
+        );
+        let back = d.join(format!("back{pad}.safetensors"));
+        unpack(&mut a, &back, Durability::Cached, |_, _| {}).unwrap();
+        assert!(std::fs::read(&back).unwrap() == original, "pad {pad}");
+    }
+    // the same tensors without the header recorded: version 2, tensors in name order
+    let c = compressme_artifact::Checkpoint::open(&d.join("src8.safetensors"), &Limits::default())
+        .unwrap();
+    let art = d.join("v2.cma");
+    let mut w = Writer::create(&art).unwrap();
+    for e in c.entries() {
+        w.add_dense(&e.name, e.dtype, &e.shape, &c.read(&e.name).unwrap())
+            .unwrap();
+    }
+    w.finish().unwrap();
+    let mut a = Artifact::open(&art, &Limits::default()).unwrap();
+    assert_eq!((a.recipe().version, a.source_header()), (2, None));
+    let back = d.join("v2.safetensors");
+    unpack(&mut a, &back, Durability::Cached, |_, _| {}).unwrap();
+    let (got, want) = (std::fs::read(&back).unwrap(), foreign_safetensors(8));
+    assert!(got != want, "a version-2 unpack writes its own header");
+    let again = compressme_artifact::Checkpoint::open(&back, &Limits::default()).unwrap();
+    for e in c.entries() {
+        assert!(
+            again.read(&e.name).unwrap() == c.read(&e.name).unwrap(),
+            "{}",
+            e.name
+        );
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// The writer refuses a source header that does not describe the tensors added: one
+/// missing, one of another shape, one not in the header, and a header that is not JSON.
+#[test]
+fn a_source_header_must_describe_the_tensors() {
+    let d = tmp("v3-mismatch");
+    let src = d.join("src.safetensors");
+    std::fs::write(&src, foreign_safetensors(8)).unwrap();
+    let c = compressme_artifact::Checkpoint::open(&src, &Limits::default()).unwrap();
+    let header = c.source_header().unwrap().to_vec();
+    let write = |skip: Option<&str>, reshape: Option<&str>, extra: bool| {
+        let dest = d.join("x.cma");
+        let mut w = Writer::create(&dest).unwrap();
+        w.set_source_header(&header).unwrap();
+        for e in c.entries() {
+            if Some(e.name.as_str()) == skip {
+                continue;
+            }
+            let mut shape = e.shape.clone();
+            if Some(e.name.as_str()) == reshape {
+                shape.reverse();
+            }
+            w.add_dense(&e.name, e.dtype, &shape, &c.read(&e.name).unwrap())
+                .unwrap();
+        }
+        if extra {
+            w.add_dense("extra", Dtype::U8, &[3], &[1, 2, 3]).unwrap();
+        }
+        let r = w.finish();
+        if r.is_err() {
+            let left: Vec<_> = std::fs::read_dir(&d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert_eq!(
+                left,
+                ["src.safetensors"],
+                "nothing is left behind on refusal"
+            );
+        }
+        r
+    };
+    for (skip, reshape, extra) in [
+        (Some("a.bias"), None, false),
+        (None, Some("z.weight"), false),
+        (None, None, true),
+    ] {
+        let e = write(skip, reshape, extra);
+        assert!(matches!(e, Err(Error::Invalid { .. })), "{e:?}");
+    }
+    assert!(write(None, None, false).is_ok());
+    let dest = d.join("y.cma");
+    let mut w = Writer::create(&dest).unwrap();
+    assert!(matches!(
+        w.set_source_header(&[0xff, 0xfe]),
+        Err(Error::Invalid { .. })
+    ));
+    w.set_source_header(b"not json").unwrap();
+    w.add_dense("a", Dtype::U8, &[1], &[0]).unwrap();
+    assert!(matches!(w.finish(), Err(Error::Invalid { .. })));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// `bytes` with `from` replaced by `to` (the same length) once, inside the header.
+fn replace_in_header(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let n = header_len(bytes);
+    let text = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    assert!(text.contains(from), "{from} not in the header");
+    let mut out = bytes[..8].to_vec();
+    out.extend_from_slice(text.replacen(from, to, 1).as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
+}
+
+/// The artifact's own header rewritten with its recipe re-sealed after `edit`: a file an
+/// attacker made consistent everywhere but where `edit` put a lie.
+fn reseal_metadata(
+    bytes: &[u8],
+    edit: impl Fn(&mut serde_json::Map<String, serde_json::Value>),
+) -> Vec<u8> {
+    use compressme_artifact::recipe::{RECIPE_KEY, RECIPE_SHA_KEY, sha256_hex};
+    let n = header_len(bytes);
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let md = header
+        .get_mut("__metadata__")
+        .unwrap()
+        .as_object_mut()
+        .unwrap();
+    edit(md);
+    let recipe = md[RECIPE_KEY].as_str().unwrap().to_string();
+    md.insert(RECIPE_SHA_KEY.into(), sha256_hex(recipe.as_bytes()).into());
+    let mut text = serde_json::to_string(&header).unwrap();
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
+}
+
+/// A reader refuses a version-3 file whose source header was changed, is missing, or
+/// names other tensors, and a version-2 file that carries one.
+#[test]
+fn a_tampered_source_header_is_refused() {
+    use compressme_artifact::recipe::{RECIPE_KEY, SOURCE_HEADER_KEY, sha256_hex};
+    let d = tmp("v3-tamper");
+    let src = d.join("src.safetensors");
+    std::fs::write(&src, foreign_safetensors(8)).unwrap();
+    let art = d.join("a.cma");
+    pack_recording_header(&src, &art);
+    let good = std::fs::read(&art).unwrap();
+    let open = |bytes: &[u8]| {
+        let p = d.join("t.cma");
+        std::fs::write(&p, bytes).unwrap();
+        Artifact::open(&p, &Limits::default())
+    };
+    assert!(open(&good).is_ok());
+    // one digit of an offset inside the recorded header: its digest no longer matches
+    let e = open(&replace_in_header(&good, "[0,128]", "[0,129]"));
+    assert!(matches!(e, Err(Error::Digest { .. })), "{e:?}");
+    // the header gone
+    let e = open(&reseal_metadata(&good, |md| {
+        md.remove(SOURCE_HEADER_KEY);
+    }));
+    assert!(matches!(e, Err(Error::Recipe { .. })), "{e:?}");
+    // a header re-sealed in the recipe but naming a tensor the recipe does not have
+    let e = open(&reseal_metadata(&good, |md| {
+        let text = md[SOURCE_HEADER_KEY]
+            .as_str()
+            .unwrap()
+            .replacen("a.bias", "b.bias", 1);
+        let recipe = md[RECIPE_KEY].as_str().unwrap().replacen(
+            &sha256_hex(md[SOURCE_HEADER_KEY].as_str().unwrap().as_bytes()),
+            &sha256_hex(text.as_bytes()),
+            1,
+        );
+        md.insert(SOURCE_HEADER_KEY.into(), text.into());
+        md.insert(RECIPE_KEY.into(), recipe.into());
+    }));
+    assert!(matches!(e, Err(Error::Recipe { .. })), "{e:?}");
+    // version 2 with a source header
+    let e = open(&reseal_metadata(&good, |md| {
+        md.insert("compressme.version".into(), "2".into());
+        let recipe = md[RECIPE_KEY]
+            .as_str()
+            .unwrap()
+            .replacen("\"version\":3", "\"version\":2", 1);
+        md.insert(RECIPE_KEY.into(), recipe.into());
+    }));
+    assert!(matches!(e, Err(Error::Recipe { .. })), "{e:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Version 3's frozen files: `source.safetensors` (a checkpoint in another tool's order),
+/// `sample.cma` packed from it, and corrupt variants. The sample opens, verifies and
+/// unpacks to the source byte for byte, and today's writer gives the same recipe.
+/// Written only when missing, under `COMPRESSME_BLESS=1`.
+#[test]
+fn frozen_v3_fixtures() {
+    let dir = fixture_dir(3);
+    let (src, sample) = (dir.join("source.safetensors"), dir.join("sample.cma"));
+    if std::env::var_os("COMPRESSME_BLESS").is_some() && !sample.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&src, foreign_safetensors(8)).unwrap();
+        pack_recording_header(&src, &sample);
+        let good = std::fs::read(&sample).unwrap();
+        std::fs::write(
+            dir.join("flipped_source_header.cma"),
+            replace_in_header(&good, "[0,128]", "[0,129]"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("truncated.cma"), &good[..good.len() - 1]).unwrap();
+        std::fs::write(
+            dir.join("bad_version.cma"),
+            replace_in_header(
+                &good,
+                "\"compressme.version\":\"3\"",
+                "\"compressme.version\":\"9\"",
+            ),
+        )
+        .unwrap();
+    }
+    let original = std::fs::read(&src).unwrap();
+    assert!(
+        original == foreign_safetensors(8),
+        "the frozen source changed"
+    );
+    let mut a = Artifact::open(&sample, &Limits::default()).unwrap();
+    assert_eq!(a.recipe().version, 3);
+    let s = a.verify().unwrap();
+    // `a.bias` (20 bytes) stays dense: a block store would not be smaller
+    assert_eq!((s.tensors, s.lossless, s.dense), (4, 2, 2));
+    let d = tmp("fixture-v3");
+    let back = d.join("back.safetensors");
+    unpack(&mut a, &back, Durability::Cached, |_, _| {}).unwrap();
+    assert!(std::fs::read(&back).unwrap() == original);
+    let fresh = d.join("fresh.cma");
+    pack_recording_header(&src, &fresh);
+    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
+    same_recipe_but_unused_tables(&a, &today);
+    same_entries_but_unused_tables(&a, &today);
+    let open = |f: &str| Artifact::open(&dir.join(f), &Limits::default());
+    let e = open("flipped_source_header.cma");
+    assert!(matches!(e, Err(Error::Digest { .. })), "{e:?}");
+    let e = open("truncated.cma");
+    assert!(matches!(e, Err(Error::NotSafetensors { .. })), "{e:?}");
+    let e = open("bad_version.cma");
+    assert!(matches!(e, Err(Error::UnsupportedVersion { .. })), "{e:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

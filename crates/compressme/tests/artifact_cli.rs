@@ -50,9 +50,23 @@ fn round_trip(input: &Path, d: &Path) -> (usize, serde_json::Value) {
         input.to_path_buf()
     };
     let n = same_tensors(&src, &out);
+    // a one-file checkpoint: its header is recorded (version 3) and the file comes back
+    assert!(
+        std::fs::read(&src).unwrap() == std::fs::read(&out).unwrap(),
+        "unpack did not give back {} byte for byte",
+        src.display()
+    );
     let (ok, stdout, _) = run(&["inspect", art.to_str().unwrap(), "--json"]);
     assert!(ok);
-    (n, serde_json::from_str(&stdout).unwrap())
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["version"], 3, "{v}");
+    assert_eq!(
+        v["source_header_bytes"].as_u64(),
+        Some(u64::from_le_bytes(
+            std::fs::read(&src).unwrap()[..8].try_into().unwrap()
+        ))
+    );
+    (n, v)
 }
 
 #[test]

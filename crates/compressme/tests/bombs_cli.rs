@@ -97,6 +97,7 @@ fn bomb(path: &Path, rows: u64, cols: u64, block_rows: u32, zero_digest: bool) -
         calibration_sha256: None,
         tokenizer_sha256: None,
         source_metadata: BTreeMap::new(),
+        source_header_sha256: None,
     };
     let json = serde_json::to_string(&recipe).unwrap();
     let mut md = BTreeMap::new();

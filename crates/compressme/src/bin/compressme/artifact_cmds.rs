@@ -670,6 +670,7 @@ pub(crate) fn inspect(artifact: &Path, json: bool, limits: &Limits) -> Result<()
             "ratio": stored_total as f64 / dense_total.max(1) as f64,
             "plan_sha256": a.recipe().plan_sha256,
             "output_head_policy": a.recipe().output_head_policy,
+            "source_header_bytes": a.source_header().map(<[u8]>::len),
             "tensors": rows,
             "warnings": warnings,
             "refused_by_limits": refused,
@@ -705,6 +706,23 @@ pub(crate) fn inspect(artifact: &Path, json: bool, limits: &Limits) -> Result<()
         stored_total as f64 / dense_total.max(1) as f64,
         a.file_bytes()
     );
+    match a.source_header() {
+        Some(h) => println!(
+            "source header: recorded ({} bytes): `unpack` writes the source file back byte for byte{}",
+            h.len(),
+            if rows.iter().any(|r| r["storage"]
+                .as_str()
+                .is_some_and(|s| s != "dense" && !s.starts_with("lossless")))
+            {
+                " but for the quantized tensors, which it dequantizes"
+            } else {
+                ""
+            }
+        ),
+        None => println!(
+            "source header: not recorded: `unpack` writes the tensors in name order under a header of its own"
+        ),
+    }
     for w in &warnings {
         eprintln!("warning: {w}");
     }
