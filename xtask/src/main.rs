@@ -409,7 +409,7 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             .arg(&back))?;
         decode(&art, Some(&back))?;
         // version 3: a one-file checkpoint packed without quantizing unpacks to itself
-        let lossless = !case.iter().any(|a| *a == "--format");
+        let lossless = !case.contains(&"--format");
         let same = std::fs::read(&back).map_err(|e| e.to_string())?
             == std::fs::read(&tiny).map_err(|e| e.to_string())?;
         if lossless && !same {

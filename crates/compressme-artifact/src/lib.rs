@@ -13,15 +13,17 @@
 //! - [`Artifact::open`] checks the header (sizes against caller-set [`Limits`] before
 //!   any allocation), the format name and version, and the recipe against the payload,
 //!   all before reading a payload byte; [`Artifact::verify`] checks every digest;
-//!   [`unpack`] writes a plain safetensors file, byte-identical for lossless tensors.
+//!   [`unpack`] writes a plain safetensors file, byte-identical for lossless tensors, and
+//!   (version 3, which records the source file's header:
+//!   [`Writer::set_source_header`]) the source file itself, byte for byte.
 //! - [`Checkpoint`] reads any safetensors checkpoint (one file, a folder, or shards
 //!   through the index JSON) a tensor at a time, each memory-mapped ([`Mapped`]: the
 //!   crate's only `unsafe`, with what it assumes written beside it); artifacts are read
 //!   the same way, block stores in place.
 //!
-//! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1 and 2": this build
-//! writes version 2 and reads both); frozen fixtures live under `fixtures/artifact/v1/`
-//! and `v2/`. What it is not: a model loader (the umbrella crate
+//! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1, 2 and 3": this
+//! build writes version 3 when it records the source header, version 2 otherwise, and
+//! reads all three); frozen fixtures live under `fixtures/artifact/v1/`, `v2/` and `v3/`. What it is not: a model loader (the umbrella crate
 //! applies artifacts to models) or a compressor of its own (the block store and the
 //! quantized formats are).
 //!

@@ -1211,7 +1211,7 @@ fn foreign_safetensors(pad: usize) -> Vec<u8> {
         at = end;
     }
     json.push('}');
-    while json.len() % pad != 0 {
+    while !json.len().is_multiple_of(pad) {
         json.push(' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
@@ -1250,7 +1250,7 @@ fn version_3_unpacks_the_source_file_byte_for_byte() {
     for pad in [8, 1] {
         let src = d.join(format!("src{pad}.safetensors"));
         let original = foreign_safetensors(pad);
-        assert_eq!(header_len(&original) % 8 == 0, pad == 8);
+        assert_eq!(header_len(&original).is_multiple_of(8), pad == 8);
         std::fs::write(&src, &original).unwrap();
         let art = d.join(format!("a{pad}.cma"));
         pack_recording_header(&src, &art);
@@ -1384,7 +1384,7 @@ fn reseal_metadata(
     let recipe = md[RECIPE_KEY].as_str().unwrap().to_string();
     md.insert(RECIPE_SHA_KEY.into(), sha256_hex(recipe.as_bytes()).into());
     let mut text = serde_json::to_string(&header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
