@@ -95,7 +95,11 @@ impl Artifact {
     /// lays the tensors out at its offsets. `None` before version 3.
     #[must_use]
     pub fn source_header(&self) -> Option<&[u8]> {
-        self.source.as_ref().map(|s| s.text.as_slice())
+        self.source.as_ref()?;
+        self.file
+            .metadata()
+            .get(crate::recipe::SOURCE_HEADER_KEY)
+            .map(String::as_bytes)
     }
 
     /// The source header's tensors, by offset (see [`Artifact::source_header`]).

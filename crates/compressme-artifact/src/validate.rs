@@ -38,12 +38,10 @@ pub fn mins_name(tensor: &str) -> String {
     format!("cm.mins/{tensor}")
 }
 
-/// A version-3 artifact's record of its source file's header: the text, and its tensors
-/// (sorted by offset) matched one to one with the recipe's.
+/// A version-3 artifact's record of its source file's header: its tensors (sorted by
+/// offset), matched one to one with the recipe's (the text stays in `__metadata__`).
 #[derive(Debug, Clone)]
 pub(crate) struct SourceHeader {
-    /// The header's bytes, after the length prefix.
-    pub(crate) text: Vec<u8>,
     /// Its tensors, by offset.
     pub(crate) entries: Vec<Entry>,
 }
@@ -200,7 +198,6 @@ fn source_header(
         }
     }
     Ok(Some(SourceHeader {
-        text: text.as_bytes().to_vec(),
         entries: parsed.entries,
     }))
 }

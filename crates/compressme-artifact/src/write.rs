@@ -187,8 +187,9 @@ impl Writer {
     /// so that [`crate::unpack`] writes that header and lays the tensors out at its
     /// offsets: the source file again, byte for byte, when every tensor is stored dense or
     /// losslessly. The artifact is then written in version 3. Call it before
-    /// [`Writer::header_room`]; [`Writer::finish`] refuses a header whose tensors are
-    /// not the ones added, by name, dtype and shape.
+    /// [`Writer::header_room`]. A header whose tensors are not the ones added (by name,
+    /// dtype and shape) fails [`Writer::finish`]'s reopening check, as any reader refuses
+    /// it, and the file is removed.
     ///
     /// # Errors
     /// A header that is not UTF-8 (a safetensors header is JSON).
@@ -197,14 +198,12 @@ impl Writer {
             tensor: String::new(),
             reason: format!("the source header is not UTF-8: {e}"),
         })?;
-        self.recipe.version = VERSION_SOURCE_HEADER;
-        self.recipe.source_header_sha256 = Some(sha256_hex(text.as_bytes()));
         self.source_header = Some(text.to_string());
         Ok(())
     }
 
     /// The recipe as it will be written: the caller's fields, with the version and the
-    /// source header's digest as [`Writer::set_source_header`] left them.
+    /// source header's digest derived from [`Writer::set_source_header`].
     fn recipe_to_write(&self) -> Recipe {
         let mut recipe = self.recipe.clone();
         recipe.source_header_sha256 = self
@@ -217,53 +216,6 @@ impl Writer {
             VERSION
         };
         recipe
-    }
-
-    /// The recorded source header names exactly the tensors added, with their dtypes and
-    /// shapes, and tiles their bytes.
-    fn check_source_header(&self) -> Result<()> {
-        let Some(text) = &self.source_header else {
-            return Ok(());
-        };
-        let invalid = |reason: String| Error::Invalid {
-            tensor: String::new(),
-            reason: format!("the source header does not describe these tensors: {reason}"),
-        };
-        let data_len = self
-            .tensors
-            .iter()
-            .try_fold(0u64, |a, t| {
-                crate::validate::decoded_bytes(t).and_then(|d| a.checked_add(d))
-            })
-            .ok_or_else(|| invalid("sizes overflow".into()))?;
-        let parsed =
-            crate::st::parse_header(&self.dest, text.as_bytes(), data_len, &Limits::default())
-                .map_err(|e| invalid(e.to_string()))?;
-        let mut theirs: Vec<(&str, &str, &[usize])> = parsed
-            .entries
-            .iter()
-            .map(|e| (e.name.as_str(), e.dtype.name(), e.shape.as_slice()))
-            .collect();
-        let mut ours: Vec<(&str, &str, &[usize])> = self
-            .tensors
-            .iter()
-            .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice()))
-            .collect();
-        theirs.sort_unstable();
-        ours.sort_unstable();
-        if theirs != ours {
-            let odd = theirs
-                .iter()
-                .find(|t| !ours.contains(t))
-                .or_else(|| ours.iter().find(|t| !theirs.contains(t)))
-                .map_or_else(String::new, |(n, d, s)| format!("`{n}` ({d} {s:?})"));
-            return Err(invalid(format!(
-                "{} tensors in the header, {} added; first difference {odd}",
-                theirs.len(),
-                ours.len()
-            )));
-        }
-        Ok(())
     }
 
     /// Whether [`Writer::finish`] decodes every block and hashes every tensor again after
@@ -794,7 +746,6 @@ impl Writer {
     /// # Errors
     /// [`Error::Io`], and any verification failure (the file is then removed).
     pub fn finish(self) -> Result<Summary> {
-        self.check_source_header()?;
         let mut recipe = self.recipe_to_write();
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
         order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
