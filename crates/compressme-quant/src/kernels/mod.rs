@@ -320,7 +320,8 @@ pub fn activations_for(format: Format) -> Result<Activations> {
 /// than the kernel saves. `tier_probe int8 3000 all 1 auto N` on Zen 5, one thread, that
 /// kernel against the AVX2 code: N = 576 0.010 against 0.007 ms, 1,024 0.021 against
 /// 0.019, 1,536 0.041 both, 2,048 0.067 against 0.069, 3,072 0.130 against 0.146, 4,096
-/// 0.238 against 0.259.
+/// 0.238 against 0.259. On Zen 4 that kernel is not used at all
+/// ([`avx512::double_pumped`]).
 #[cfg(target_arch = "x86_64")]
 const SPLIT8_MIN_CODES: usize = 1 << 22;
 
@@ -414,7 +415,8 @@ impl Isa {
                 if v.lut.is_none()
                     && split::splits(v.group)
                     && v.codes.len() >= SPLIT8_MIN_CODES
-                    && avx512::vbmi() =>
+                    && avx512::vbmi()
+                    && !avx512::double_pumped() =>
             {
                 RowX {
                     x,

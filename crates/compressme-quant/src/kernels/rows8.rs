@@ -295,14 +295,7 @@ const SAME_ROW_AHEAD: usize = 128;
 /// Whether the CPU is AMD's (`cpuid` leaf 0's vendor string), read once: it picks only
 /// a prefetch distance, never the arithmetic.
 fn amd() -> bool {
-    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AMD.get_or_init(|| {
-        let id = std::arch::x86_64::__cpuid(0);
-        [id.ebx, id.edx, id.ecx]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .eq(*b"AuthenticAMD")
-    })
+    super::avx512::amd_family().is_some()
 }
 
 /// How far ahead the AVX-512 tier prefetches in the tiled layout: two chunks of a tile's
