@@ -1,7 +1,8 @@
 //! One format's product (4096 x 4096) on each SIMD tier, interleaved, for profiling a
 //! kernel: `cargo run --release -p compressme-benches --example tier_probe -- FORMAT
 //! [REPS [TIER|all [BATCH [ACTIVATIONS [SIZE]]]]]` (defaults `nf4-g64 200 all 1 auto 4096`,
-//! the matrix SIZE x SIZE;
+//! the matrix SIZE x SIZE, or ROWS x COLS when SIZE is written `ROWSxCOLS`, e.g.
+//! `49152x576` for SmolLM2's output layer);
 //! ACTIVATIONS is `auto`, `14`, `8` or `both`, the last interleaving 14- and 8-bit
 //! activations); prints each tier's best time, and a checksum of the last output's bits (so
 //! two settings of one binary, e.g. `COMPRESSME_REPACK=0`, can be seen to give the same).
@@ -27,15 +28,15 @@ fn main() -> Result<(), String> {
         Some("both") => vec![Activations::Fixed14, Activations::Block8],
         Some(a) => vec![Activations::from_name(a).ok_or(format!("activations {a}?"))?],
     };
-    let n: usize = args
-        .next()
-        .map_or(Ok(4096), |v| v.parse())
-        .map_err(|e| format!("{e}"))?;
+    let size = args.next().unwrap_or_else(|| "4096".into());
+    let (r, c) = size.split_once('x').unwrap_or((&size, &size));
+    let rows: usize = r.parse().map_err(|e| format!("rows in {size}: {e}"))?;
+    let n: usize = c.parse().map_err(|e| format!("columns in {size}: {e}"))?;
     let format = Format::parse(&name).map_err(|e| e.to_string())?;
-    let w = quantize(&matrix(MatrixKind::Gaussian, n, n, 1), n, n, format)
+    let w = quantize(&matrix(MatrixKind::Gaussian, rows, n, 1), rows, n, format)
         .map_err(|e| e.to_string())?;
     let x = matrix(MatrixKind::Gaussian, batch, n, 2);
-    let mut y = vec![0f32; batch * n];
+    let mut y = vec![0f32; batch * rows];
     let runs: Vec<(Tier, Activations)> = Tier::ALL
         .into_iter()
         .filter(|t| *t != Tier::Portable && t.supported())

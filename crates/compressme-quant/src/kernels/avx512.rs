@@ -90,7 +90,11 @@ pub(super) fn dot_groups<const N: usize>(
     // measured (4096 x 4096, batch 32): faster than the AVX2 code for long groups (the
     // per-row formats' 1,024 columns), slower for groups of 128 or less, where flushing a
     // group's sums costs as much as the products; the bits are the same either way
+    // (On Zen 4, `double_pumped`, the AVX2 code is faster at every length measured: batch
+    // 2, one thread, 1536 x 576 0.084 against 0.118 ms, 4096 x 4096 1.11-1.17 against
+    // 1.21-1.31; batch 4 0.113 against 0.143 and 2.5-2.6 against 3.1.)
     let fits = group >= LONG_GROUP
+        && !double_pumped()
         && group.is_multiple_of(32)
         && kp.is_multiple_of(16)
         && xs.iter().all(|x| x.len() >= kp);
@@ -139,24 +143,11 @@ pub(super) fn dot_rows(
                 unsafe { byte_rows_imp(codes, sx, group, scales) }
             });
         }
-        // 8-bit codes on Zen 4, long groups: widened and multiplied with `vpdpwssd`, four
-        // rows a call (on Zen 5 and the Xeon the AVX2 code measured faster, see above; on
-        // Zen 4, 4096 x 4096 INT8 per row, best of 300, three interleaved runs: one thread
-        // 0.414-0.419 ms against 0.426-0.428, two 0.198-0.199 against 0.204-0.209)
-        (None, None)
-            if rows_fit
-                && double_pumped()
-                && group >= LONG_GROUP
-                && group.is_multiple_of(32)
-                && rb.is_multiple_of(16)
-                && x.len() >= rb =>
-        {
-            in_quads!(v, first, out, |codes, scales| {
-                // SAFETY: the token proves the features; every row is `rb` bytes (a
-                // multiple of 16), `group` a multiple of 32 and `x` at least `rb` long.
-                unsafe { int8_imp(codes, [x], group, scales) }.map(|[o]| o)
-            });
-        }
+        // 8-bit codes on Zen 4 (no VBMI kernel there, see `double_pumped`): the AVX2 code.
+        // Stop 44 sent them to `int8_imp` four rows a call, 2-3% faster at 4096 x 4096 in
+        // cache; on SmolLM2's 576-wide rows it was 1.7x slower in cache (1536 x 576: 0.042
+        // against 0.024 ms) and 2-3x from L3 (its output layer, 49152 x 576), and generation
+        // with INT8 per row ran at 0.98x candle's Q8_0 where INT8-g32 ran at 2.4x.
         _ => avx2::dot_rows(t.avx2(), v, first, x, out),
     }
 }
