@@ -376,7 +376,8 @@ unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
 ) -> [f32; M] {
     let kp = w.iter().map(|r| r.len()).min().unwrap_or(0);
     let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
-    let ahead = following_near(&w);
+    // the following rows, prefetched only while the call's rows are short (`NEAR_AHEAD`)
+    let ahead = (M * kp <= NEAR_AHEAD).then(|| following(&w));
     let mut f = [_mm256_setzero_ps(); M];
     let mut start = 0;
     for g in 0..groups {
@@ -429,14 +430,7 @@ pub(super) fn following<const M: usize>(rows: &[&[u8]; M]) -> *const i8 {
 /// 4.3-4.5 ms prefetching the next four rows (32 KB ahead, all of L1), 3.5-3.6 without;
 /// on short rows the hint is what keeps the stream going (49152 x 576, from L3: 1.5 ms with
 /// it, 3.3-4.0 without).
-pub(super) const NEAR_AHEAD: usize = 8 << 10;
-
-/// [`following`] where the rows are short enough for their successors to be prefetched
-/// ([`NEAR_AHEAD`]); `None` otherwise.
-pub(super) fn following_near<const M: usize>(rows: &[&[u8]; M]) -> Option<*const i8> {
-    let len = rows.iter().map(|r| r.len()).min().unwrap_or(0);
-    (M * len <= NEAR_AHEAD).then(|| following(rows))
-}
+const NEAR_AHEAD: usize = 8 << 10;
 
 /// Row `m`'s group sums, scaled by its own scale of group `g`, into its f32 accumulator: the
 /// same operations as [`flush`] does for one row.

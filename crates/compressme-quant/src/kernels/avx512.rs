@@ -143,7 +143,8 @@ pub(super) fn dot_rows(
                 unsafe { byte_rows_imp(codes, sx, group, scales) }
             });
         }
-        // 8-bit codes on Zen 4 (no VBMI kernel there, see `double_pumped`): the AVX2 code.
+        // 8-bit codes on Zen 4 (the VBMI split kernel is off there, see `double_pumped`): the
+        // AVX2 code.
         // Stop 44 sent them to `int8_imp` four rows a call, 2-3% faster at 4096 x 4096 in
         // cache; on SmolLM2's 576-wide rows it was 1.7x slower in cache (1536 x 576: 0.042
         // against 0.024 ms) and 2-3x from L3 (its output layer, 49152 x 576), and generation
