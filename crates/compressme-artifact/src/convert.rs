@@ -8,7 +8,7 @@ use std::path::Path;
 use compressme_blockstore::ValueKind;
 
 use crate::Result;
-use crate::read::{Artifact, STREAM_BYTES, Streamed, Summary};
+use crate::read::{Artifact, STREAM_BYTES, Summary, has_whole_digest};
 use crate::recipe::TensorRecipe;
 use crate::st::{AtomicFile, Dtype, Durability, Planned, header_bytes};
 use crate::validate::decoded_bytes;
@@ -97,8 +97,10 @@ pub fn from_f32(dtype: Dtype, values: &[f32]) -> Vec<u8> {
 /// source file's header: it is written as it was and each tensor at its offset, so an
 /// artifact whose tensors are all dense or lossless unpacks to the source file byte for
 /// byte (its SHA-256 is the source's); before version 3 the header is compressme's own,
-/// tensors in name order. Streams a tensor at a time;
-/// written beside `dest` and renamed when complete (synced to the disk first with
+/// tensors in name order. Large tensors stream a piece at a time, four side by side (their
+/// whole-tensor digests in lockstep), small ones are decoded whole four at a time, and
+/// quantized ones are dequantized a piece at a time; each is written at its offset. The
+/// file is written beside `dest` and renamed when complete (synced to the disk first with
 /// [`Durability::Synced`]).
 ///
 /// # Errors
@@ -156,39 +158,70 @@ pub fn unpack(
     out.write_all(&header)?;
     // every tensor's place in the file is known from the header: tensors are decoded in
     // parallel, each written at its offset as it streams, so writing overlaps decoding
-    let items: Vec<(&TensorRecipe, u64)> = tensors.iter().zip(offsets).collect();
     let art: &Artifact = artifact;
     let out_ref = &out;
     // one writer at a time: concurrent writes to one file spin on its lock in the kernel
     let writing = std::sync::Mutex::new(());
-    let weight = |(t, _): &(&TensorRecipe, u64)| art.stored_bytes(t);
-    let work = |(t, offset): (&TensorRecipe, u64)| -> Result<Streamed> {
-        // every lossless block is decoded and the result checked against the tensor's
-        // digest: block digests are `verify`'s (it names the block); a mismatch abandons
-        // the file before it is renamed
-        art.stream_checked(t, false, |at, piece| {
-            let _turn = writing
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            out_ref.write_all_at(offset.saturating_add(at), piece)
-        })
+    let write_at = |at: u64, piece: &[u8]| -> Result<()> {
+        let _turn = writing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        out_ref.write_all_at(at, piece)
     };
     let mut s = Summary::default();
-    let mut names = tensors.iter().zip(&planned);
-    crate::pipeline::ordered_light(items, weight, STREAM_BYTES as u64, work, |streamed| {
-        let Some((t, p)) = names.next() else {
-            return Ok(());
-        };
+    let mut count = |t: &TensorRecipe, len: u64, exact: bool| {
         s.tensors = s.tensors.saturating_add(1);
-        s.dense_bytes = s.dense_bytes.saturating_add(p.len);
-        if streamed != Streamed::Dequantized {
+        s.dense_bytes = s.dense_bytes.saturating_add(len);
+        if exact {
             s.lossless = s.lossless.saturating_add(1);
         } else {
             s.quantized = s.quantized.saturating_add(1);
         }
-        progress(&t.name, p.len);
-        Ok(())
-    })?;
+        progress(&t.name, len);
+    };
+    let (digested, quantized): (Vec<_>, Vec<_>) = tensors
+        .iter()
+        .zip(offsets)
+        .zip(&planned)
+        .partition(|((t, _), _)| has_whole_digest(t));
+    // quantized tensors (their seal is the payload digest) in parallel, each written at
+    // its offset as it is dequantized, so writing overlaps decoding
+    let weight = |((t, _), _): &((&TensorRecipe, u64), &Planned)| art.stored_bytes(t);
+    let work = |((t, offset), _): ((&TensorRecipe, u64), &Planned)| -> Result<()> {
+        art.stream_dequantized(t, |at, piece| write_at(offset.saturating_add(at), piece))
+    };
+    let mut sunk = quantized.iter();
+    crate::pipeline::ordered_light(
+        quantized.iter().copied(),
+        weight,
+        STREAM_BYTES as u64,
+        work,
+        |()| {
+            if let Some(((t, _), p)) = sunk.next() {
+                count(t, p.len, false);
+            }
+            Ok(())
+        },
+    )?;
+    // then dense and lossless tensors side by side, their whole-tensor digests four at a
+    // time: every lossless block is decoded and the result checked against the tensor's
+    // digest (block digests are `verify`'s, which names the block); a mismatch abandons
+    // the file before it is renamed
+    let ts: Vec<&TensorRecipe> = digested.iter().map(|((t, _), _)| *t).collect();
+    art.stream_digested(
+        &ts,
+        false,
+        |i, at, piece| {
+            let offset = digested.get(i).map_or(u64::MAX, |((_, o), _)| *o);
+            write_at(offset.saturating_add(at), piece)
+        },
+        |i| {
+            if let Some(((t, _), p)) = digested.get(i) {
+                count(t, p.len, true);
+            }
+            Ok(())
+        },
+    )?;
     out.commit()?;
     s.file_bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
     Ok(s)

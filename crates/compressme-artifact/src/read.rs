@@ -1,13 +1,13 @@
 //! Reading: [`Artifact::open`] (everything [`crate::validate`] checks, before any payload
 //! is read), tensors as stored or decoded, each verified as it is read, and
-//! [`Artifact::verify`], which streams every tensor a piece at a time. Sizes come from the
+//! [`Artifact::verify`], which streams large tensors a piece at a time, four side by side
+//! so their whole-tensor digests run in lockstep (`lanes`). Sizes come from the
 //! file: every operation on one is checked (`arithmetic_side_effects` is denied).
 #![deny(clippy::arithmetic_side_effects)]
 
 use std::path::Path;
 use std::sync::Arc;
 
-use rayon::prelude::*;
 use sha2::Digest;
 
 use compressme_blockstore::BlockStore;
@@ -21,6 +21,8 @@ use crate::validate::{
     scales_name,
 };
 use crate::{Error, Result};
+
+mod lanes;
 
 /// What a verification checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -364,119 +366,72 @@ impl Artifact {
         Ok((bytes, exact))
     }
 
-    /// Calls `sink` with the tensor's decoded bytes in order, a piece of at most
-    /// [`STREAM_PIECE`] bytes (or one block) at a time: blocks decoded (and checked
-    /// against their digests) in parallel within a piece, and the next piece decoded
-    /// while `sink` takes the last. Says what is left to check (see [`Streamed`]).
-    /// Memory stays bounded whatever the tensor's size: two pieces, and the pages of
-    /// the tensor's stored bytes.
+    /// Calls `sink` with a quantized tensor's dequantized values in its dtype, in order,
+    /// about [`STREAM_PIECE`] bytes of f32 at a time, with each piece's offset in the
+    /// tensor (its packed buffers checked against their payload digest first); the
+    /// tensor must come to exactly the recipe's size. Dense and lossless tensors are read
+    /// through [`Artifact::stream_digested`], which checks their whole-tensor digests.
     ///
     /// # Errors
-    /// As [`Artifact::read_stored`], and `sink`'s.
-    ///
-    /// `blocks`: whether each lossless block is checked against its digest before it is
-    /// decoded (`verify`), or only what the caller checks (`unpack`: the whole-tensor
-    /// digest of everything decoded, see [`BlockStore::skip_block_digests`]).
-    fn stream_tensor(
+    /// As [`Artifact::read_stored`], a size that differs from the recipe's, and `sink`'s.
+    pub(crate) fn stream_dequantized(
         &self,
-        name: &str,
-        blocks: bool,
-        mut sink: impl FnMut(&[u8]) -> Result<()> + Send,
-    ) -> Result<Streamed> {
-        let t = self
-            .tensor(name)
-            .ok_or_else(|| Error::MissingTensor(name.into()))?;
+        t: &TensorRecipe,
+        mut sink: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let name = &t.name;
+        let want = decoded_bytes(t).unwrap_or(u64::MAX);
         let dtype = Dtype::parse(&t.dtype).unwrap_or(Dtype::U8);
-        let blocks_err = |source| Error::Blocks {
-            tensor: name.into(),
-            source,
+        let Stored::Quantized(p) = self.open_stored(name)? else {
+            return Err(Error::Invalid {
+                tensor: name.clone(),
+                reason: "not a quantized tensor".into(),
+            });
         };
-        match self.open_stored(name)? {
-            Stored::Dense(b) => {
-                sink(&b)?;
-                Ok(Streamed::Verified)
+        let cols = p.cols().max(1);
+        let per = STREAM_PIECE
+            .checked_div(cols.saturating_mul(4))
+            .unwrap_or(1)
+            .max(1);
+        let mut v = Vec::new();
+        let (mut r0, mut got) = (0, 0u64);
+        while r0 < p.rows() {
+            let r1 = r0.saturating_add(per).min(p.rows());
+            // r1 - r0 rows of a packed tensor whose rows x cols was checked
+            v.resize(r1.saturating_sub(r0).saturating_mul(p.cols()), 0f32);
+            p.dequantize_range_into(r0, &mut v)
+                .map_err(|source| Error::Quant {
+                    tensor: name.clone(),
+                    source,
+                })?;
+            let piece = from_f32(dtype, &v);
+            let at = got;
+            got = got.saturating_add(piece.len() as u64);
+            if got > want {
+                return Err(Error::Invalid {
+                    tensor: name.clone(),
+                    reason: format!("decodes to more than {want} bytes"),
+                });
             }
-            Stored::Lossless(mut store) => {
-                // with `blocks`, each piece's blocks are checked against their digests
-                // before the piece is decoded, four digests at once
-                // (`BlockStore::verify_blocks`), not one by one as each is decoded
-                store.skip_block_digests();
-                let (rb, br) = (store.row_bytes(), store.block_rows());
-                let block_bytes = rb.saturating_mul(br);
-                if block_bytes == 0 {
-                    return Ok(Streamed::Decoded);
-                }
-                let per = STREAM_PIECE.checked_div(block_bytes).unwrap_or(1).max(1);
-                let (nb, rows) = (store.num_blocks(), store.rows());
-                // blocks b0..b1 into `buf`
-                let decode = |b0: usize, buf: &mut Vec<u8>| -> Result<usize> {
-                    let b1 = b0.saturating_add(per).min(nb);
-                    let r0 = (b0 as u64).saturating_mul(br as u64);
-                    let r1 = (b1 as u64).saturating_mul(br as u64).min(rows);
-                    let len = usize::try_from(r1.saturating_sub(r0))
-                        .ok()
-                        .and_then(|r| r.checked_mul(rb))
-                        .ok_or_else(|| Error::Invalid {
-                            tensor: name.into(),
-                            reason: "block range overflows".into(),
-                        })?;
-                    if blocks {
-                        store.verify_blocks(b0..b1).map_err(blocks_err)?;
-                    }
-                    buf.resize(len, 0);
-                    buf.par_chunks_mut(block_bytes)
-                        .enumerate()
-                        .try_for_each_init(
-                            || store.decoder(),
-                            |dec, (i, dst)| dec.decode_block(b0.saturating_add(i), dst).map(drop),
-                        )
-                        .map_err(blocks_err)?;
-                    Ok(b1)
-                };
-                if nb == 0 {
-                    return Ok(Streamed::Decoded);
-                }
-                let (mut ready, mut spare) = (Vec::new(), Vec::new());
-                let mut b0 = decode(0, &mut ready)?;
-                while b0 < nb {
-                    // the sink takes this piece while the next one is decoded
-                    let (taken, next) = rayon::join(|| sink(&ready), || decode(b0, &mut spare));
-                    taken?;
-                    b0 = next?;
-                    std::mem::swap(&mut ready, &mut spare);
-                }
-                sink(&ready)?;
-                Ok(Streamed::Decoded)
-            }
-            Stored::Quantized(p) => {
-                let cols = p.cols().max(1);
-                let per = STREAM_PIECE
-                    .checked_div(cols.saturating_mul(4))
-                    .unwrap_or(1)
-                    .max(1);
-                let mut v = Vec::new();
-                let mut r0 = 0;
-                while r0 < p.rows() {
-                    let r1 = r0.saturating_add(per).min(p.rows());
-                    // r1 - r0 rows of a packed tensor whose rows x cols was checked
-                    v.resize(r1.saturating_sub(r0).saturating_mul(p.cols()), 0f32);
-                    p.dequantize_range_into(r0, &mut v)
-                        .map_err(|source| Error::Quant {
-                            tensor: name.into(),
-                            source,
-                        })?;
-                    sink(&from_f32(dtype, &v))?;
-                    r0 = r1;
-                }
-                Ok(Streamed::Dequantized)
-            }
+            sink(at, &piece)?;
+            r0 = r1;
         }
+        if got != want {
+            return Err(Error::Invalid {
+                tensor: name.clone(),
+                reason: format!("decoded {got} bytes, expected {want}"),
+            });
+        }
+        Ok(())
     }
 
     /// Verifies every tensor: each block's digest (and the recipe's copy of it), the
     /// whole-tensor SHA-256 of what dense and lossless tensors decode to, and every
-    /// packed tensor's buffers. Decodes a piece at a time ([`STREAM_BYTES`]), never a
-    /// whole tensor, under the limits the artifact was opened with.
+    /// packed tensor's buffers. Decodes a tensor over [`STREAM_PIECE`] bytes a piece at a
+    /// time, up to four such tensors side by side, and smaller ones whole, four at a time,
+    /// so the whole-tensor digests are taken four in lockstep; memory stays bounded
+    /// (`lanes::LANES_BYTES` of stored bytes in the lanes, [`STREAM_BYTES`] for the small
+    /// ones); under the limits the artifact was opened with.
     ///
     /// # Errors
     /// The first failure, naming the tensor (and block).
@@ -509,13 +464,27 @@ impl Artifact {
         };
         let weight = |t: &&TensorRecipe| self.stored_bytes(t);
         let work = |t: &TensorRecipe| self.check_tensor(t, decode);
-        crate::pipeline::ordered_light(
-            self.recipe.tensors.iter(),
-            weight,
-            STREAM_BYTES as u64,
-            work,
-            |()| Ok(()),
-        )?;
+        if decode {
+            // quantized tensors one by one (their check is the payload digest), then the
+            // rest side by side, their whole-tensor digests four at a time
+            let (digested, quantized): (Vec<&TensorRecipe>, Vec<&TensorRecipe>) = self
+                .recipe
+                .tensors
+                .iter()
+                .partition(|t| has_whole_digest(t));
+            crate::pipeline::ordered_light(quantized, weight, STREAM_BYTES as u64, work, |()| {
+                Ok(())
+            })?;
+            self.stream_digested(&digested, true, |_, _, _| Ok(()), |_| Ok(()))?;
+        } else {
+            crate::pipeline::ordered_light(
+                self.recipe.tensors.iter(),
+                weight,
+                STREAM_BYTES as u64,
+                work,
+                |()| Ok(()),
+            )?;
+        }
         for t in &self.recipe.tensors {
             s.tensors = s.tensors.saturating_add(1);
             let want = decoded_bytes(t).unwrap_or(u64::MAX);
@@ -547,49 +516,7 @@ impl Artifact {
             self.read_stored(&t.name)?;
             return Ok(());
         }
-        self.stream_checked(t, true, |_, _| Ok(())).map(drop)
-    }
-
-    /// [`Artifact::stream_tensor`] with everything it leaves checked: `sink` gets each
-    /// piece with its offset in the tensor; the tensor must decode to exactly the
-    /// recipe's size; a lossless tensor's bytes are hashed as they pass and checked
-    /// against its whole-tensor digest at the end (dense bytes were checked as they were
-    /// read, packed buffers against their payload digest). What `verify` and `unpack`
-    /// share.
-    pub(crate) fn stream_checked(
-        &self,
-        t: &TensorRecipe,
-        blocks: bool,
-        mut sink: impl FnMut(u64, &[u8]) -> Result<()> + Send,
-    ) -> Result<Streamed> {
-        let want = decoded_bytes(t).unwrap_or(u64::MAX);
-        let lossless = matches!(t.storage, StorageRecipe::Lossless { .. });
-        let mut h = sha2::Sha256::new();
-        let mut got = 0u64;
-        let streamed = self.stream_tensor(&t.name, blocks, |piece| {
-            let at = got;
-            got = got.saturating_add(piece.len() as u64);
-            if got > want {
-                return Err(Error::Invalid {
-                    tensor: t.name.clone(),
-                    reason: format!("decodes to more than {want} bytes"),
-                });
-            }
-            if lossless {
-                h.update(piece);
-            }
-            sink(at, piece)
-        })?;
-        if got != want {
-            return Err(Error::Invalid {
-                tensor: t.name.clone(),
-                reason: format!("decoded {got} bytes, expected {want}"),
-            });
-        }
-        if streamed == Streamed::Decoded {
-            check_digest(t, h)?;
-        }
-        Ok(streamed)
+        self.stream_dequantized(t, |_, _| Ok(()))
     }
 }
 
@@ -604,26 +531,8 @@ pub const STREAM_BYTES: usize = 64 << 20;
 /// in cache when it is hashed and written.
 pub const STREAM_PIECE: usize = 4 << 20;
 
-/// What a streaming read of one tensor leaves to its caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Streamed {
-    /// Dense bytes, already checked against the whole-tensor digest as they were read.
-    Verified,
-    /// Lossless bytes (every block checked): the whole-tensor digest is the caller's.
-    Decoded,
-    /// Dequantized values (the packed buffers were checked against their digest).
-    Dequantized,
-}
-
-/// The whole-tensor digest of `t` against what `h` was fed.
-fn check_digest(t: &TensorRecipe, h: sha2::Sha256) -> Result<()> {
-    let d: [u8; 32] = h.finalize().into();
-    if t.sha256.as_deref() == Some(hex(&d).as_str()) {
-        Ok(())
-    } else {
-        Err(Error::Digest {
-            tensor: t.name.clone(),
-            what: "whole tensor".into(),
-        })
-    }
+/// Whether `t`'s decoded bytes are sealed by a whole-tensor SHA-256 (dense and lossless
+/// tensors; a quantized one's seal is its payload digest).
+pub(crate) fn has_whole_digest(t: &TensorRecipe) -> bool {
+    !matches!(t.storage, StorageRecipe::Quant { .. })
 }

@@ -1505,3 +1505,140 @@ fn frozen_v3_fixtures() {
     assert!(matches!(e, Err(Error::UnsupportedVersion { .. })), "{e:?}");
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Tensors larger than a streaming piece, written with smaller ones: `verify` and `unpack`
+/// read the large ones side by side in lanes and the small ones four at a time
+/// (`read/lanes.rs`). Returns the tensors as written.
+fn write_lanes_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    let cols = 256;
+    let piece_rows = compressme_artifact::STREAM_PIECE / (cols * 4);
+    let mut tensors = Vec::new();
+    // five tensors over a piece, of different lengths (so lanes end at different rounds)
+    for (i, extra) in [100usize, 400, 900, 3, 2000].into_iter().enumerate() {
+        let rows = piece_rows + extra;
+        tensors.push((
+            format!("large.{i}.weight"),
+            Dtype::F32,
+            vec![rows, cols],
+            weights(rows * cols, 40 + i as u64),
+        ));
+    }
+    for i in 0..6 {
+        tensors.push((
+            format!("small.{i}.weight"),
+            Dtype::F32,
+            vec![30 + 17 * i, 64],
+            weights((30 + 17 * i) * 64, 60 + i as u64),
+        ));
+    }
+    tensors.push((
+        "ids".to_string(),
+        Dtype::I64,
+        vec![40],
+        (0i64..40).flat_map(i64::to_le_bytes).collect(),
+    ));
+    let mut w = Writer::create(path).unwrap();
+    for (name, dtype, shape, bytes) in &tensors {
+        if name == "ids" {
+            w.add_dense(name, *dtype, shape, bytes).unwrap();
+        } else {
+            w.add_lossless(name, *dtype, shape, bytes, 16, Coder::default())
+                .unwrap();
+        }
+    }
+    w.finish().unwrap();
+    tensors
+}
+
+/// A byte inside tensor `name`'s blocks (past its block store's index) flipped.
+fn flip_in_blocks(raw: &mut [u8], a: &Artifact, name: &str) {
+    let e = a
+        .entries()
+        .iter()
+        .find(|e| e.name == compressme_artifact::blocks_name(name))
+        .unwrap()
+        .clone();
+    let at = 8 + header_len(raw) + (e.begin + (e.end - e.begin) * 7 / 8) as usize;
+    raw[at] ^= 0x10;
+}
+
+#[test]
+fn tensors_read_side_by_side_give_the_same_bytes_on_any_thread_count() {
+    let d = tmp("lanes");
+    let path = d.join("a.cma");
+    let tensors = write_lanes_sample(&path);
+    let pool = |n: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    let mut outs = Vec::new();
+    for threads in [1, 2, 3] {
+        let mut a = Artifact::open(&path, &Limits::default()).unwrap();
+        let s = pool(threads).install(|| a.verify()).unwrap();
+        assert_eq!((s.tensors, s.lossless, s.dense), (12, 11, 1));
+        let out = d.join(format!("out{threads}.safetensors"));
+        let mut seen = Vec::new();
+        pool(threads)
+            .install(|| {
+                unpack(&mut a, &out, Durability::Cached, |name, _| {
+                    seen.push(name.to_string());
+                })
+            })
+            .unwrap();
+        seen.sort();
+        let mut want: Vec<String> = tensors.iter().map(|t| t.0.clone()).collect();
+        want.sort();
+        assert_eq!(seen, want, "progress names every tensor once");
+        outs.push(std::fs::read(&out).unwrap());
+    }
+    assert!(
+        outs[0] == outs[1] && outs[1] == outs[2],
+        "output depends on the thread count"
+    );
+    let st = safetensors::SafeTensors::deserialize(&outs[0]).unwrap();
+    for (name, _, shape, bytes) in &tensors {
+        let v = st.tensor(name).unwrap();
+        assert_eq!(v.shape(), shape.as_slice());
+        assert!(v.data() == bytes.as_slice(), "{name}");
+    }
+
+    // a corrupt block in a large tensor, and one in a small tensor as well: the large
+    // one is named, on every thread count (the first pass's failure comes first)
+    let raw = std::fs::read(&path).unwrap();
+    let a = Artifact::open(&path, &Limits::default()).unwrap();
+    let mut one = raw.clone();
+    flip_in_blocks(&mut one, &a, "large.2.weight");
+    let mut both = one.clone();
+    flip_in_blocks(&mut both, &a, "small.4.weight");
+    let mut small = raw.clone();
+    flip_in_blocks(&mut small, &a, "small.4.weight");
+    for (bytes, named) in [
+        (&one, "large.2.weight"),
+        (&both, "large.2.weight"),
+        (&small, "small.4.weight"),
+    ] {
+        let bad = d.join("bad.cma");
+        std::fs::write(&bad, bytes).unwrap();
+        for threads in [1, 2] {
+            let mut b = Artifact::open(&bad, &Limits::default()).unwrap();
+            let v = pool(threads)
+                .install(|| b.verify())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                v.contains(named) && v.contains("block"),
+                "{threads} threads: {v}"
+            );
+            let out = d.join("bad-out.safetensors");
+            let e = pool(threads)
+                .install(|| unpack(&mut b, &out, Durability::Cached, |_, _| {}))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(named), "{threads} threads: {e}");
+            assert!(!out.exists());
+        }
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -1,12 +1,15 @@
-//! SHA-256 of many independent byte strings: block digests four at a time.
+//! SHA-256 of many independent byte strings: block digests four at a time, and byte
+//! streams fed in pieces four at a time.
 //!
 //! One SHA-256 is a chain: each of its rounds needs the last, and on a CPU with the SHA
 //! extensions a single message runs at the latency of `sha256rnds2` (1.8 GB/s a core on
-//! AMD Zen 5, the `sha2` crate's own SHA-NI code), with most of the unit idle. A store's
-//! blocks are independent messages, so [`sha256_many`] runs four of them in lockstep, their
-//! rounds interleaved (3.3 GB/s a core on the same CPU). The digests are SHA-256's, tested
-//! against the `sha2` crate on every length around the padding boundaries; where the CPU
-//! lacks the SHA extensions (or `COMPRESSME_SHA=scalar`), each message goes through `sha2`.
+//! AMD Zen 4 and Zen 5, the `sha2` crate's own SHA-NI code), with most of the unit idle. A
+//! store's blocks are independent messages, so [`sha256_many`] runs four of them in
+//! lockstep, their rounds interleaved (3.3 GB/s a core on the same CPUs). [`Sha256Streams`]
+//! does the same for messages that arrive in pieces (the whole-tensor digests of tensors
+//! decoded side by side). The digests are SHA-256's, tested against the `sha2` crate on
+//! every length around the padding boundaries; where the CPU lacks the SHA extensions (or
+//! `COMPRESSME_SHA=scalar`), each message goes through `sha2`.
 //!
 //! The crate's only `unsafe`: the SHA-NI intrinsics, behind a run-time check, on 64-byte
 //! arrays whose bounds the types carry.
@@ -17,8 +20,10 @@ use sha2::{Digest, Sha256};
 /// Messages hashed in lockstep.
 const LANES: usize = 4;
 
-/// The SHA-256 digest of each message, in order.
-pub(crate) fn sha256_many(msgs: &[&[u8]]) -> Vec<[u8; 32]> {
+/// The SHA-256 digest of each message, in order: four messages at a time in lockstep
+/// (for as many blocks as all four have) where the CPU has the SHA extensions.
+#[must_use]
+pub fn sha256_many(msgs: &[&[u8]]) -> Vec<[u8; 32]> {
     let mut out = Vec::with_capacity(msgs.len());
     let mut groups = msgs.chunks_exact(LANES);
     #[cfg(target_arch = "x86_64")]
@@ -39,6 +44,185 @@ pub(crate) fn sha256_many(msgs: &[&[u8]]) -> Vec<[u8; 32]> {
             .map(|m| -> [u8; 32] { Sha256::digest(m).into() }),
     );
     out
+}
+
+/// SHA-256 of several byte streams at once, each fed in pieces: the whole 64-byte blocks
+/// of the pieces given to one [`update`](Sha256Streams::update) are hashed four streams
+/// at a time in lockstep where the CPU has the SHA extensions (about 1.8x as fast as one
+/// stream after another), each stream alone where the others have run out. A stream's
+/// digest is the SHA-256 of everything fed to it since it was last
+/// [finished](Sha256Streams::finish), whatever the pieces' lengths.
+pub struct Sha256Streams {
+    lanes: Vec<Lane>,
+}
+
+/// One stream's running state.
+enum Lane {
+    /// SHA-NI: the chaining state, a partial block and the bytes fed so far.
+    #[cfg(target_arch = "x86_64")]
+    Ni {
+        state: [u32; 8],
+        buf: [u8; 64],
+        len: usize,
+        total: u64,
+    },
+    /// The `sha2` crate, one stream at a time.
+    Soft(Sha256),
+}
+
+impl Lane {
+    fn new(ni: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if ni {
+            return Lane::Ni {
+                state: shani::H0,
+                buf: [0; 64],
+                len: 0,
+                total: 0,
+            };
+        }
+        let _ = ni;
+        Lane::Soft(Sha256::new())
+    }
+}
+
+impl std::fmt::Debug for Sha256Streams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sha256Streams")
+            .field("streams", &self.lanes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sha256Streams {
+    /// `streams` empty streams.
+    #[must_use]
+    pub fn new(streams: usize) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let ni = shani::available();
+        #[cfg(not(target_arch = "x86_64"))]
+        let ni = false;
+        Self::with_lockstep(streams, ni)
+    }
+
+    /// [`Sha256Streams::new`], choosing the SHA-NI lockstep code (`ni`, where the CPU has
+    /// it) or `sha2` per stream: so tests cover both on one CPU.
+    fn with_lockstep(streams: usize, ni: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let ni = ni && shani::available();
+        Self {
+            lanes: (0..streams).map(|_| Lane::new(ni)).collect(),
+        }
+    }
+
+    /// How many streams there are.
+    #[must_use]
+    pub fn streams(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Feeds `pieces[i]` to stream `i` (an empty piece feeds nothing); pieces beyond the
+    /// number of streams are ignored.
+    pub fn update(&mut self, pieces: &[&[u8]]) {
+        #[cfg(target_arch = "x86_64")]
+        let mut whole: Vec<(usize, &[[u8; 64]])> = Vec::with_capacity(pieces.len());
+        for (i, (lane, piece)) in self.lanes.iter_mut().zip(pieces).enumerate() {
+            match lane {
+                Lane::Soft(h) => h.update(piece),
+                #[cfg(target_arch = "x86_64")]
+                Lane::Ni {
+                    state,
+                    buf,
+                    len,
+                    total,
+                } => {
+                    *total = total.wrapping_add(piece.len() as u64);
+                    let mut rest: &[u8] = piece;
+                    if *len > 0 {
+                        // complete the partial block first
+                        let take = (64 - *len).min(rest.len());
+                        let (head, tail) = rest.split_at(take);
+                        if let Some(b) = buf.get_mut(*len..*len + take) {
+                            b.copy_from_slice(head);
+                        }
+                        *len += take;
+                        rest = tail;
+                        if *len == 64 {
+                            shani::compress_one(state, buf);
+                            *len = 0;
+                        }
+                    }
+                    let (blocks, tail) = rest.as_chunks::<64>();
+                    if !tail.is_empty() {
+                        // `len` is 0 here: `rest` is non-empty only after a full block
+                        if let Some(b) = buf.get_mut(..tail.len()) {
+                            b.copy_from_slice(tail);
+                        }
+                        *len = tail.len();
+                    }
+                    if !blocks.is_empty() {
+                        whole.push((i, blocks));
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        self.lockstep(&mut whole);
+    }
+
+    /// Runs every stream's whole blocks in `whole` (stream, blocks) through the
+    /// compression, four streams at a time for as many blocks as all four have, then
+    /// whatever is left in smaller groups.
+    #[cfg(target_arch = "x86_64")]
+    fn lockstep(&mut self, whole: &mut [(usize, &[[u8; 64]])]) {
+        loop {
+            // the streams with blocks left, longest first, so groups stay full longest
+            whole.sort_by_key(|(_, b)| std::cmp::Reverse(b.len()));
+            let active = whole.iter().take_while(|(_, b)| !b.is_empty()).count();
+            if active == 0 {
+                return;
+            }
+            let group = active.min(LANES);
+            let Some(g) = whole.get_mut(..group) else {
+                return;
+            };
+            let common = g.iter().map(|(_, b)| b.len()).min().unwrap_or(0);
+            let mut states = [shani::H0; LANES];
+            for (s, (i, _)) in states.iter_mut().zip(g.iter()) {
+                if let Some(Lane::Ni { state, .. }) = self.lanes.get(*i) {
+                    *s = *state;
+                }
+            }
+            let blocks: Vec<&[[u8; 64]]> = g.iter().map(|(_, b)| *b).collect();
+            shani::compress_lanes(&mut states, &blocks, common);
+            for (s, (i, b)) in states.iter().zip(g.iter_mut()) {
+                if let Some(Lane::Ni { state, .. }) = self.lanes.get_mut(*i) {
+                    *state = *s;
+                }
+                *b = b.get(common..).unwrap_or(&[]);
+            }
+        }
+    }
+
+    /// The digest of stream `i` (of everything fed to it since it was created or last
+    /// finished), which starts again empty; `None` if there is no stream `i`.
+    pub fn finish(&mut self, i: usize) -> Option<[u8; 32]> {
+        let lane = self.lanes.get_mut(i)?;
+        match lane {
+            Lane::Soft(h) => Some(h.finalize_reset().into()),
+            #[cfg(target_arch = "x86_64")]
+            Lane::Ni {
+                state,
+                buf,
+                len,
+                total,
+            } => {
+                let d = shani::finish(state, buf.get(..*len).unwrap_or(&[]), *total);
+                *lane = Lane::new(true);
+                Some(d)
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -65,7 +249,7 @@ mod shani {
         0xc67178f2,
     ];
     /// SHA-256's initial state.
-    const H0: [u32; 8] = [
+    pub(super) const H0: [u32; 8] = [
         0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
         0x5be0cd19,
     ];
@@ -125,6 +309,75 @@ mod shani {
                 None => self.tail.get(b - self.whole.len()).unwrap_or(&self.tail[0]),
             }
         }
+    }
+
+    /// Compresses one block into `state`.
+    pub(super) fn compress_one(state: &mut [u32; 8], block: &[u8; 64]) {
+        sha2::block_api::compress256(state, std::slice::from_ref(block));
+    }
+
+    /// Compresses blocks `0..count` of each of `blocks` (one slice a stream, the first
+    /// `blocks.len()` of `states`, at most four), in lockstep.
+    pub(super) fn compress_lanes(
+        states: &mut [[u32; 8]; LANES],
+        blocks: &[&[[u8; 64]]],
+        count: usize,
+    ) {
+        let count = blocks.iter().map(|b| b.len()).fold(count, usize::min);
+        let zero = [0u8; 64];
+        let at = |j: usize, b: usize| -> &[u8; 64] {
+            blocks.get(j).and_then(|s| s.get(b)).unwrap_or(&zero)
+        };
+        macro_rules! run {
+            ($n:literal) => {{
+                let mut s: [[u32; 8]; $n] = std::array::from_fn(|j| states[j]);
+                // SAFETY: as in `compress_one`.
+                unsafe {
+                    compress(&mut s, at, 0..count);
+                }
+                states[..$n].copy_from_slice(&s);
+            }};
+        }
+        match blocks.len() {
+            0 => {}
+            // one stream alone: `sha2`'s own SHA-NI code, faster than a lockstep of one
+            1 => {
+                if let Some(b) = blocks.first().and_then(|b| b.get(..count)) {
+                    sha2::block_api::compress256(&mut states[0], b);
+                }
+            }
+            2 => run!(2),
+            3 => run!(3),
+            _ => run!(4),
+        }
+    }
+
+    /// The digest of a stream whose chaining `state` has taken every whole block and whose
+    /// last `tail` bytes (fewer than 64) are left, `total` bytes in all.
+    pub(super) fn finish(state: &[u32; 8], tail: &[u8], total: u64) -> [u8; 32] {
+        let mut last = [[0u8; 64]; 2];
+        let flat = last.as_flattened_mut();
+        let r = tail.len().min(63);
+        if let (Some(t), Some(src)) = (flat.get_mut(..r), tail.get(..r)) {
+            t.copy_from_slice(src);
+        }
+        if let Some(b) = flat.get_mut(r) {
+            *b = 0x80;
+        }
+        let n = if r < 56 { 1 } else { 2 };
+        let bits = total.wrapping_mul(8).to_be_bytes();
+        if let Some(t) = flat.get_mut(64 * n - 8..64 * n) {
+            t.copy_from_slice(&bits);
+        }
+        let mut s = *state;
+        for b in last.iter().take(n) {
+            compress_one(&mut s, b);
+        }
+        let mut d = [0u8; 32];
+        for (o, w) in d.chunks_exact_mut(4).zip(s) {
+            o.copy_from_slice(&w.to_be_bytes());
+        }
+        d
     }
 
     /// The digests of four messages.
@@ -266,6 +519,63 @@ mod tests {
             eprintln!(
                 "note: the SHA-NI path is off here (no SHA extensions, or COMPRESSME_SHA=scalar): only the sha2 path was tested"
             );
+        }
+    }
+
+    /// Streams fed in pieces of every awkward length give `sha2`'s digests, on the
+    /// lockstep code and on `sha2` per stream, and a finished stream starts again empty.
+    #[test]
+    fn streams_in_pieces_are_sha256() {
+        let data: Vec<u8> = (0..40_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+            .collect();
+        let piece_lens = [
+            0usize, 1, 55, 56, 63, 64, 65, 127, 128, 129, 200, 640, 1000, 4096, 7,
+        ];
+        for ni in [true, false] {
+            for streams in 1..=6 {
+                let mut h = Sha256Streams::with_lockstep(streams, ni);
+                assert_eq!(h.streams(), streams);
+                let mut fed: Vec<Vec<u8>> = vec![Vec::new(); streams];
+                let mut at = vec![0usize; streams];
+                for round in 0..40 {
+                    let pieces: Vec<&[u8]> = (0..streams)
+                        .map(|i| {
+                            let n = piece_lens[(round * 7 + i * 3) % piece_lens.len()];
+                            let start = (at[i] + i * 977) % 30_000;
+                            at[i] += n;
+                            &data[start..start + n]
+                        })
+                        .collect();
+                    h.update(&pieces);
+                    for (f, p) in fed.iter_mut().zip(&pieces) {
+                        f.extend_from_slice(p);
+                    }
+                    // now and then a stream ends and starts again
+                    if round % 9 == 4 {
+                        let i = round % streams;
+                        let want: [u8; 32] = Sha256::digest(&fed[i]).into();
+                        assert_eq!(
+                            h.finish(i),
+                            Some(want),
+                            "ni {ni}, {streams} streams, round {round}"
+                        );
+                        fed[i].clear();
+                    }
+                }
+                for (i, f) in fed.iter().enumerate() {
+                    let want: [u8; 32] = Sha256::digest(f).into();
+                    assert_eq!(
+                        h.finish(i),
+                        Some(want),
+                        "ni {ni}, stream {i} of {streams}, {} bytes",
+                        f.len()
+                    );
+                    let empty: [u8; 32] = Sha256::digest([]).into();
+                    assert_eq!(h.finish(i), Some(empty));
+                }
+                assert_eq!(h.finish(streams), None);
+            }
         }
     }
 }

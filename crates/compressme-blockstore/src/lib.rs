@@ -20,7 +20,9 @@
 //!
 //! Main types: [`BlockStore`] (encode, serialize, load, verify, decode rows),
 //! [`EncodeOptions`] with [`ValueKind`] and [`Coder`], [`StoredBytes`] (exact accounting),
-//! [`Decoder`] (a reusable, allocation-light decoding context), and [`Error`].
+//! [`Decoder`] (a reusable, allocation-light decoding context), [`sha256_many`] and
+//! [`Sha256Streams`] (SHA-256 of independent messages, or of streams fed in pieces, four in
+//! lockstep: what `compressme-artifact` takes its whole-tensor digests with), and [`Error`].
 //!
 //! What it is not: a tensor library (it moves bytes, it never does float arithmetic) and
 //! not a container for many tensors (`compressme-artifact` puts stores in safetensors).
@@ -59,6 +61,7 @@ mod huffman;
 mod rans;
 
 pub use decode::Decoder;
+pub use digest::{Sha256Streams, sha256_many};
 pub use error::{Error, Result, hex};
 pub use format::MAGIC;
 

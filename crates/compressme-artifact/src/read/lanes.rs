@@ -1,0 +1,496 @@
+//! Tensors with a whole-tensor digest (dense and lossless) read side by side, so their
+//! digests are taken four at a time in lockstep.
+//!
+//! A tensor's SHA-256 is one chain that no number of cores shortens, and one chain leaves
+//! most of the CPU's SHA unit idle: four chains interleaved run about 1.8x as fast
+//! ([`sha256_many`], [`Sha256Streams`]). So [`Artifact::stream_digested`] reads tensors in
+//! two passes:
+//! - tensors of more than [`STREAM_PIECE`] decoded bytes stream in up to four lanes, a
+//!   round at a time, every lane advancing by about as many bytes as the shortest has left
+//!   (at most [`STREAM_PIECE`]); one round's pieces are hashed (and handed to the caller's
+//!   sink) while the next round's are decoded. The lanes are filled largest tensor first,
+//!   and a tensor enters only while the stored bytes of those in the lanes stay within
+//!   [`LANES_BYTES`] (one tensor at least, however large), so memory stays bounded;
+//! - the smaller ones, four of similar size at a time, each decoded whole (or read in
+//!   place from the file's map, if dense) and the four hashed at once, groups in
+//!   parallel ([`crate::pipeline::ordered_light`], at most [`STREAM_BYTES`] of stored
+//!   bytes in flight).
+//!
+//! The schedule depends on the tensors' sizes only, never on the thread count, and so
+//! does the error reported: in the first pass, the first round with a failure and in it
+//! the tensor first in the caller's order; in the second, the first group (largest
+//! first) with a failure, and in it the tensor first in the caller's order.
+#![deny(clippy::arithmetic_side_effects)]
+
+use rayon::prelude::*;
+
+use compressme_blockstore::{BlockStore, Sha256Streams, sha256_many};
+
+use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored};
+use crate::recipe::{StorageRecipe, TensorRecipe, hex};
+use crate::st::Mapped;
+use crate::validate::decoded_bytes;
+use crate::{Error, Result};
+
+/// Tensors streamed side by side.
+const LANES: usize = 4;
+
+/// Stored bytes of the tensors in the lanes at once (one tensor at least): their pages of
+/// the file's map, which stay resident until the tensor ends.
+pub(crate) const LANES_BYTES: u64 = 8 * STREAM_BYTES as u64;
+
+/// Where a lane's tensor comes from.
+enum Source {
+    /// A dense tensor's bytes, in the file's map.
+    Dense(Mapped),
+    /// A lossless tensor's block store (its blocks in the map).
+    Lossless(BlockStore),
+}
+
+/// A tensor in a lane.
+struct Running<'t> {
+    /// Its place in the caller's list.
+    index: usize,
+    t: &'t TensorRecipe,
+    src: Source,
+    /// The next block (lossless) to decode.
+    next_block: usize,
+    /// Bytes produced so far, and the bytes the recipe says it decodes to.
+    at: u64,
+    want: u64,
+    /// Its stored bytes (what it holds of the budget).
+    weight: u64,
+}
+
+impl Running<'_> {
+    fn left(&self) -> u64 {
+        self.want.saturating_sub(self.at)
+    }
+
+    /// Produces this tensor's next piece, about `target` bytes (whole blocks, at least
+    /// one), into `buf`: decoded in parallel, each block checked against its digest first
+    /// with `blocks`. Returns the piece's offset in the tensor and whether it is the last.
+    fn produce(&mut self, target: u64, blocks: bool, buf: &mut Vec<u8>) -> Result<(u64, bool)> {
+        let name = &self.t.name;
+        let blocks_err = |source| Error::Blocks {
+            tensor: name.clone(),
+            source,
+        };
+        let at = self.at;
+        match &self.src {
+            Source::Dense(bytes) => {
+                buf.clear();
+                let a = usize::try_from(at).unwrap_or(usize::MAX);
+                let n = usize::try_from(target.max(1)).unwrap_or(usize::MAX);
+                let end = a.saturating_add(n).min(bytes.len());
+                buf.extend_from_slice(bytes.get(a..end).unwrap_or(&[]));
+            }
+            Source::Lossless(store) => {
+                let (rb, br, nb) = (store.row_bytes(), store.block_rows(), store.num_blocks());
+                let block_bytes = rb.saturating_mul(br);
+                if block_bytes == 0 {
+                    // rows of no bytes: nothing to decode (the size check below holds it)
+                    buf.clear();
+                    self.next_block = nb;
+                } else if self.next_block < nb {
+                    let b0 = self.next_block;
+                    let per = usize::try_from(target)
+                        .unwrap_or(usize::MAX)
+                        .div_ceil(block_bytes)
+                        .max(1);
+                    let b1 = b0.saturating_add(per).min(nb);
+                    let r0 = (b0 as u64).saturating_mul(br as u64);
+                    let r1 = (b1 as u64).saturating_mul(br as u64).min(store.rows());
+                    let len = usize::try_from(r1.saturating_sub(r0))
+                        .ok()
+                        .and_then(|r| r.checked_mul(rb))
+                        .ok_or_else(|| Error::Invalid {
+                            tensor: name.clone(),
+                            reason: "block range overflows".into(),
+                        })?;
+                    if blocks {
+                        store.verify_blocks(b0..b1).map_err(blocks_err)?;
+                    }
+                    // every byte is decoded over: no need to zero what is reused
+                    buf.resize(len, 0);
+                    buf.par_chunks_mut(block_bytes)
+                        .enumerate()
+                        .try_for_each_init(
+                            || store.decoder(),
+                            |dec, (i, dst)| dec.decode_block(b0.saturating_add(i), dst).map(drop),
+                        )
+                        .map_err(blocks_err)?;
+                    self.next_block = b1;
+                } else {
+                    buf.clear();
+                }
+            }
+        }
+        self.at = self.at.saturating_add(buf.len() as u64);
+        if self.at > self.want {
+            return Err(Error::Invalid {
+                tensor: name.clone(),
+                reason: format!("decodes to more than {} bytes", self.want),
+            });
+        }
+        let exhausted = match &self.src {
+            Source::Dense(bytes) => self.at >= bytes.len() as u64,
+            Source::Lossless(store) => self.next_block >= store.num_blocks(),
+        };
+        if exhausted && self.at != self.want {
+            return Err(Error::Invalid {
+                tensor: name.clone(),
+                reason: format!("decoded {} bytes, expected {}", self.at, self.want),
+            });
+        }
+        Ok((at, exhausted))
+    }
+}
+
+/// A small tensor's bytes, whole.
+enum Whole {
+    Mapped(Mapped),
+    Decoded(Vec<u8>),
+}
+
+impl Whole {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Whole::Mapped(m) => m,
+            Whole::Decoded(v) => v,
+        }
+    }
+}
+
+/// One lane's piece of a round.
+struct Piece {
+    lane: usize,
+    index: usize,
+    at: u64,
+    last: bool,
+    bytes: Vec<u8>,
+}
+
+impl Artifact {
+    /// Streams `ts` (dense and lossless tensors: an error for a quantized one) side by
+    /// side, four at a time, and checks each against its whole-tensor SHA-256, taken in
+    /// lockstep with the others' (see the module's documentation). `sink` gets each
+    /// piece with the tensor's place in `ts` and the piece's offset in the tensor, and
+    /// `done` each tensor's place once its digest has matched. With `blocks`, every
+    /// lossless block is checked against its own digest before it is decoded (`verify`);
+    /// without, the whole-tensor digest is the check (`unpack`).
+    ///
+    /// # Errors
+    /// The first failure (see the module's documentation), or `sink`'s or `done`'s.
+    pub(crate) fn stream_digested(
+        &self,
+        ts: &[&TensorRecipe],
+        blocks: bool,
+        sink: impl Fn(usize, u64, &[u8]) -> Result<()> + Sync,
+        mut done: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let size = |i: &usize| ts.get(*i).and_then(|t| decoded_bytes(t)).unwrap_or(0);
+        // largest first, ties in the caller's order
+        let mut order: Vec<usize> = (0..ts.len()).collect();
+        order.sort_by_key(|i| std::cmp::Reverse(size(i)));
+        let (large, small): (Vec<usize>, Vec<usize>) = order
+            .into_iter()
+            .partition(|i| size(i) > STREAM_PIECE as u64);
+        // the two passes at once: the first's lanes are few when its tensors are few (one
+        // large embedding table streams alone), and its one chain of SHA-256 a tensor then
+        // leaves a core idle that the small tensors fill. The second runs from a thread of
+        // its own (its pipeline waits on results, which a pool worker must not) and hands
+        // the tensors it has finished to this one, which calls `done`.
+        let (ended_tx, ended_rx) = std::sync::mpsc::channel::<usize>();
+        std::thread::scope(|scope| {
+            let sink = &sink;
+            let second = scope.spawn(move || {
+                self.digest_small(ts, &small, blocks, sink, &mut |i| {
+                    // the receiver lives until this thread is joined
+                    let _ = ended_tx.send(i);
+                    Ok(())
+                })
+            });
+            let drain = |done: &mut dyn FnMut(usize) -> Result<()>| -> Result<()> {
+                ended_rx.try_iter().try_for_each(&mut *done)
+            };
+            let first = self.stream_large(ts, large, blocks, sink, &mut |i| {
+                done(i)?;
+                drain(&mut done)
+            });
+            // the second pass's finished tensors as they come, until it ends
+            let rest = if first.is_ok() {
+                ended_rx.iter().try_for_each(&mut done)
+            } else {
+                Ok(())
+            };
+            let second = second
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            // the first pass's failure first, whatever the timing
+            first.and(second).and(rest)
+        })
+    }
+
+    /// The first pass of [`Artifact::stream_digested`]: tensors `queue` (indices into
+    /// `ts`, largest first) streamed in lanes.
+    fn stream_large(
+        &self,
+        ts: &[&TensorRecipe],
+        queue: Vec<usize>,
+        blocks: bool,
+        sink: &(impl Fn(usize, u64, &[u8]) -> Result<()> + Sync),
+        done: &mut impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut queue = queue.into_iter().peekable();
+        let mut lanes: Vec<Option<Running<'_>>> = (0..LANES).map(|_| None).collect();
+        let mut spare: Vec<Vec<u8>> = Vec::new();
+        let mut in_flight = 0u64;
+        let mut hasher = Sha256Streams::new(LANES);
+
+        // fills free lanes within the budget, then produces every lane's next piece
+        let mut next_round = |mut bufs: Vec<Vec<u8>>| -> Result<Vec<Piece>> {
+            for slot in lanes.iter_mut() {
+                if slot.is_some() {
+                    continue;
+                }
+                let Some(&i) = queue.peek() else { break };
+                let Some(t) = ts.get(i) else { break };
+                let weight = self.stored_bytes(t);
+                if in_flight > 0 && in_flight.saturating_add(weight) > LANES_BYTES {
+                    break;
+                }
+                queue.next();
+                *slot = Some(self.start(i, t, weight)?);
+                in_flight = in_flight.saturating_add(weight);
+            }
+            // every lane advances by about what the shortest has left
+            let target = lanes
+                .iter()
+                .flatten()
+                .map(Running::left)
+                .filter(|&n| n > 0)
+                .min()
+                .unwrap_or(0)
+                .min(STREAM_PIECE as u64);
+            let mut work: Vec<(usize, &mut Running<'_>, Vec<u8>)> = Vec::new();
+            for (lane, r) in lanes.iter_mut().enumerate() {
+                if let Some(r) = r.as_mut() {
+                    work.push((lane, r, bufs.pop().unwrap_or_default()));
+                }
+            }
+            let produced: Vec<Result<Piece>> = work
+                .into_par_iter()
+                .map(|(lane, r, mut bytes)| {
+                    let (at, last) = r.produce(target, blocks, &mut bytes)?;
+                    Ok(Piece {
+                        lane,
+                        index: r.index,
+                        at,
+                        last,
+                        bytes,
+                    })
+                })
+                .collect();
+            // the failure of the tensor first in the caller's order
+            let mut pieces = Vec::with_capacity(produced.len());
+            let mut failed: Option<(usize, Error)> = None;
+            for (p, lane) in produced.into_iter().zip(lanes.iter().flatten()) {
+                match p {
+                    Ok(p) => pieces.push(p),
+                    Err(e) => {
+                        if failed.as_ref().is_none_or(|(i, _)| lane.index < *i) {
+                            failed = Some((lane.index, e));
+                        }
+                    }
+                }
+            }
+            if let Some((_, e)) = failed {
+                return Err(e);
+            }
+            for p in &pieces {
+                if p.last
+                    && let Some(slot) = lanes.get_mut(p.lane)
+                    && let Some(r) = slot.take()
+                {
+                    in_flight = in_flight.saturating_sub(r.weight);
+                }
+            }
+            Ok(pieces)
+        };
+
+        // hashes one round's pieces, gives them to `sink`, checks the tensors that ended
+        // (their places in `ts`, for `done` on the calling thread)
+        let take = |hasher: &mut Sha256Streams, pieces: &[Piece]| -> Result<Vec<usize>> {
+            let mut ended = Vec::new();
+            let mut feed: Vec<&[u8]> = vec![&[]; LANES];
+            for p in pieces {
+                sink(p.index, p.at, &p.bytes)?;
+                if let Some(f) = feed.get_mut(p.lane) {
+                    *f = &p.bytes;
+                }
+            }
+            hasher.update(&feed);
+            for p in pieces.iter().filter(|p| p.last) {
+                let d = hasher.finish(p.lane).unwrap_or_default();
+                let t = ts.get(p.index).ok_or(Error::Cancelled)?;
+                whole_digest(t, &d)?;
+                ended.push(p.index);
+            }
+            Ok(ended)
+        };
+
+        let mut ready = next_round(Vec::new())?;
+        while !ready.is_empty() {
+            let bufs = std::mem::take(&mut spare);
+            let (taken, next) = rayon::join(|| take(&mut hasher, &ready), || next_round(bufs));
+            for i in taken? {
+                done(i)?;
+            }
+            let next = next?;
+            spare = std::mem::replace(&mut ready, next)
+                .into_iter()
+                .map(|p| p.bytes)
+                .collect();
+        }
+        Ok(())
+    }
+
+    /// The second pass of [`Artifact::stream_digested`]: tensors `small` (indices into
+    /// `ts`, largest first, each at most [`STREAM_PIECE`] decoded bytes), four at a time.
+    fn digest_small(
+        &self,
+        ts: &[&TensorRecipe],
+        small: &[usize],
+        blocks: bool,
+        sink: &(impl Fn(usize, u64, &[u8]) -> Result<()> + Sync),
+        done: &mut impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let weight = |g: &&[usize]| {
+            g.iter()
+                .filter_map(|&i| ts.get(i))
+                .map(|t| self.stored_bytes(t))
+                .fold(0, u64::saturating_add)
+        };
+        let work = |g: &[usize]| -> Result<Vec<usize>> {
+            let read: Vec<Result<Whole>> = g
+                .par_iter()
+                .map(|&i| match ts.get(i) {
+                    Some(t) => self.read_whole(t, blocks),
+                    None => Err(Error::Cancelled),
+                })
+                .collect();
+            // the failure of the tensor first in the caller's order
+            let mut failed: Option<(usize, Error)> = None;
+            let mut found = Vec::with_capacity(read.len());
+            for (&i, r) in g.iter().zip(read) {
+                match r {
+                    Ok(w) => found.push((i, w)),
+                    Err(e) if failed.as_ref().is_none_or(|(f, _)| i < *f) => failed = Some((i, e)),
+                    Err(_) => {}
+                }
+            }
+            let msgs: Vec<&[u8]> = found.iter().map(|(_, w)| w.bytes()).collect();
+            for ((i, w), d) in found.iter().zip(sha256_many(&msgs)) {
+                let Some(t) = ts.get(*i) else { continue };
+                if let Err(e) = whole_digest(t, &d)
+                    && failed.as_ref().is_none_or(|(f, _)| i < f)
+                {
+                    failed = Some((*i, e));
+                }
+                if failed.is_none() {
+                    sink(*i, 0, w.bytes())?;
+                }
+            }
+            match failed {
+                Some((_, e)) => Err(e),
+                None => Ok(g.to_vec()),
+            }
+        };
+        crate::pipeline::ordered_light(
+            small.chunks(LANES),
+            weight,
+            STREAM_BYTES as u64,
+            work,
+            |ended| ended.into_iter().try_for_each(&mut *done),
+        )
+    }
+
+    /// A small tensor's decoded bytes, whole: a dense one's in the file's map, a lossless
+    /// one's decoded (its blocks checked against their digests first, with `blocks`).
+    /// The size is checked here, the whole-tensor digest by the caller.
+    fn read_whole(&self, t: &TensorRecipe, blocks: bool) -> Result<Whole> {
+        let want = decoded_bytes(t).unwrap_or(u64::MAX);
+        let w = match &t.storage {
+            StorageRecipe::Dense => Whole::Mapped(self.map_entry(&t.name)?),
+            StorageRecipe::Lossless { .. } => match self.open_stored(&t.name)? {
+                Stored::Lossless(mut store) => {
+                    let err = |source| Error::Blocks {
+                        tensor: t.name.clone(),
+                        source,
+                    };
+                    if blocks {
+                        store.verify_all().map_err(err)?;
+                    }
+                    store.skip_block_digests();
+                    Whole::Decoded(store.decode_all().map_err(err)?)
+                }
+                _ => return Err(not_digested(t)),
+            },
+            StorageRecipe::Quant { .. } => return Err(not_digested(t)),
+        };
+        if w.bytes().len() as u64 != want {
+            return Err(Error::Invalid {
+                tensor: t.name.clone(),
+                reason: format!("decoded {} bytes, expected {want}", w.bytes().len()),
+            });
+        }
+        Ok(w)
+    }
+
+    /// Opens tensor `t` for a lane: its recipe against the store (lossless), no digest
+    /// checked yet.
+    fn start<'t>(&self, index: usize, t: &'t TensorRecipe, weight: u64) -> Result<Running<'t>> {
+        let want = decoded_bytes(t).unwrap_or(u64::MAX);
+        let src = match &t.storage {
+            StorageRecipe::Dense => Source::Dense(self.map_entry(&t.name)?),
+            StorageRecipe::Lossless { .. } => match self.open_stored(&t.name)? {
+                Stored::Lossless(mut store) => {
+                    // blocks are checked a piece at a time, four digests at once
+                    store.skip_block_digests();
+                    Source::Lossless(store)
+                }
+                _ => return Err(not_digested(t)),
+            },
+            StorageRecipe::Quant { .. } => return Err(not_digested(t)),
+        };
+        Ok(Running {
+            index,
+            t,
+            src,
+            next_block: 0,
+            at: 0,
+            want,
+            weight,
+        })
+    }
+}
+
+fn not_digested(t: &TensorRecipe) -> Error {
+    Error::Invalid {
+        tensor: t.name.clone(),
+        reason: "a quantized tensor has no whole-tensor digest to stream against".into(),
+    }
+}
+
+/// `d` against `t`'s whole-tensor SHA-256.
+fn whole_digest(t: &TensorRecipe, d: &[u8; 32]) -> Result<()> {
+    if t.sha256.as_deref() == Some(hex(d).as_str()) {
+        Ok(())
+    } else {
+        Err(Error::Digest {
+            tensor: t.name.clone(),
+            what: "whole tensor".into(),
+        })
+    }
+}
