@@ -201,8 +201,10 @@ impl Artifact {
             let drain = |done: &mut dyn FnMut(usize) -> Result<()>| -> Result<()> {
                 ended_rx.try_iter().try_for_each(&mut *done)
             };
-            let first = self.stream_large(ts, large, blocks, sink, &mut |i| {
-                done(i)?;
+            // after every round: the tensors it ended, then those the second pass has
+            // finished meanwhile (so progress moves while a large tensor streams)
+            let first = self.stream_large(ts, large, blocks, sink, &mut |ended| {
+                ended.iter().try_for_each(|&i| done(i))?;
                 drain(&mut done)
             });
             // the second pass's finished tensors as they come, until it ends
@@ -220,14 +222,15 @@ impl Artifact {
     }
 
     /// The first pass of [`Artifact::stream_digested`]: tensors `queue` (indices into
-    /// `ts`, largest first) streamed in lanes.
+    /// `ts`, largest first) streamed in lanes; `round` gets, after each round, the
+    /// tensors whose digests it checked.
     fn stream_large(
         &self,
         ts: &[&TensorRecipe],
         queue: Vec<usize>,
         blocks: bool,
         sink: &(impl Fn(usize, u64, &[u8]) -> Result<()> + Sync),
-        done: &mut impl FnMut(usize) -> Result<()>,
+        round: &mut impl FnMut(&[usize]) -> Result<()>,
     ) -> Result<()> {
         let mut queue = queue.into_iter().peekable();
         let mut lanes: Vec<Option<Running<'_>>> = (0..LANES).map(|_| None).collect();
@@ -331,9 +334,7 @@ impl Artifact {
         while !ready.is_empty() {
             let bufs = std::mem::take(&mut spare);
             let (taken, next) = rayon::join(|| take(&mut hasher, &ready), || next_round(bufs));
-            for i in taken? {
-                done(i)?;
-            }
+            round(&taken?)?;
             let next = next?;
             spare = std::mem::replace(&mut ready, next)
                 .into_iter()
