@@ -101,7 +101,8 @@ pub fn from_f32(dtype: Dtype, values: &[f32]) -> Vec<u8> {
 /// whole-tensor digests in lockstep), small ones are decoded whole four at a time, and
 /// quantized ones are dequantized a piece at a time; each is written at its offset. The
 /// file is written beside `dest` and renamed when complete (synced to the disk first with
-/// [`Durability::Synced`]).
+/// [`Durability::Synced`]). `progress` gets each tensor's name and bytes once it is
+/// written and checked (on any of rayon's threads, one call at a time).
 ///
 /// # Errors
 /// Any read or verification error (nothing is left at `dest`).
@@ -109,7 +110,7 @@ pub fn unpack(
     artifact: &mut Artifact,
     dest: &Path,
     durability: Durability,
-    mut progress: impl FnMut(&str, u64),
+    mut progress: impl FnMut(&str, u64) + Send,
 ) -> Result<Summary> {
     let tensors = artifact.recipe().tensors.clone();
     let planned: Vec<Planned> = tensors

@@ -436,7 +436,17 @@ impl Artifact {
     /// # Errors
     /// The first failure, naming the tensor (and block).
     pub fn verify(&self) -> Result<Summary> {
-        self.check(true)
+        self.check(true, |_, _| {})
+    }
+
+    /// [`Artifact::verify`], calling `progress` with each tensor's name and decoded bytes
+    /// once it has been checked (on any of rayon's threads, one call at a time; tensors
+    /// finish out of the recipe's order), for a progress bar.
+    ///
+    /// # Errors
+    /// As [`Artifact::verify`].
+    pub fn verify_with(&self, progress: impl FnMut(&str, u64) + Send) -> Result<Summary> {
+        self.check(true, progress)
     }
 
     /// Checks every stored byte against its digest without decoding: each block store's
@@ -451,19 +461,28 @@ impl Artifact {
     ///
     /// [`Writer::finish`]: crate::Writer::finish
     pub fn check_stored(&self) -> Result<Summary> {
-        self.check(false)
+        self.check(false, |_, _| {})
+    }
+
+    /// [`Artifact::check_stored`] with [`Artifact::verify_with`]'s `progress`.
+    ///
+    /// # Errors
+    /// As [`Artifact::check_stored`].
+    pub fn check_stored_with(&self, progress: impl FnMut(&str, u64) + Send) -> Result<Summary> {
+        self.check(false, progress)
     }
 
     /// [`Artifact::verify`] (`decode`) or [`Artifact::check_stored`]: tensors in
     /// parallel ([`crate::pipeline::ordered_light`]), at most [`STREAM_BYTES`] (or one tensor)
     /// of stored bytes in flight, the first failure in the recipe's order reported.
-    fn check(&self, decode: bool) -> Result<Summary> {
+    fn check(&self, decode: bool, mut progress: impl FnMut(&str, u64) + Send) -> Result<Summary> {
         let mut s = Summary {
             file_bytes: self.file_bytes,
             ..Summary::default()
         };
         let weight = |t: &&TensorRecipe| self.stored_bytes(t);
         let work = |t: &TensorRecipe| self.check_tensor(t, decode);
+        let mut checked = |t: &TensorRecipe| progress(&t.name, decoded_bytes(t).unwrap_or(0));
         if decode {
             // quantized tensors one by one (their check is the payload digest), then the
             // rest side by side, their whole-tensor digests four at a time
@@ -472,17 +491,37 @@ impl Artifact {
                 .tensors
                 .iter()
                 .partition(|t| has_whole_digest(t));
-            crate::pipeline::ordered_light(quantized, weight, STREAM_BYTES as u64, work, |()| {
-                Ok(())
-            })?;
-            self.stream_digested(&digested, true, |_, _, _| Ok(()), |_| Ok(()))?;
+            let mut sunk = quantized.iter();
+            crate::pipeline::ordered_light(
+                quantized.iter().copied(),
+                weight,
+                STREAM_BYTES as u64,
+                work,
+                |()| {
+                    sunk.next().into_iter().for_each(|t| checked(t));
+                    Ok(())
+                },
+            )?;
+            self.stream_digested(
+                &digested,
+                true,
+                |_, _, _| Ok(()),
+                |i| {
+                    digested.get(i).into_iter().for_each(|t| checked(t));
+                    Ok(())
+                },
+            )?;
         } else {
+            let mut sunk = self.recipe.tensors.iter();
             crate::pipeline::ordered_light(
                 self.recipe.tensors.iter(),
                 weight,
                 STREAM_BYTES as u64,
                 work,
-                |()| Ok(()),
+                |()| {
+                    sunk.next().into_iter().for_each(&mut checked);
+                    Ok(())
+                },
             )?;
         }
         for t in &self.recipe.tensors {

@@ -1576,6 +1576,29 @@ fn tensors_read_side_by_side_give_the_same_bytes_on_any_thread_count() {
     let mut outs = Vec::new();
     for threads in [1, 2, 3] {
         let mut a = Artifact::open(&path, &Limits::default()).unwrap();
+        let mut want: Vec<(String, u64)> = tensors
+            .iter()
+            .map(|t| (t.0.clone(), t.3.len() as u64))
+            .collect();
+        want.sort();
+        for stored in [false, true] {
+            let mut seen = Vec::new();
+            // from this thread, not a pool's: `check_stored` runs on `pipeline::ordered_light`,
+            // whose calling thread waits on results
+            let progress = |name: &str, n: u64| seen.push((name.to_string(), n));
+            let s = if stored {
+                a.check_stored_with(progress)
+            } else {
+                a.verify_with(progress)
+            }
+            .unwrap();
+            assert_eq!((s.tensors, s.lossless, s.dense), (12, 11, 1));
+            seen.sort();
+            assert_eq!(
+                seen, want,
+                "progress names every tensor once, with its bytes"
+            );
+        }
         let s = pool(threads).install(|| a.verify()).unwrap();
         assert_eq!((s.tensors, s.lossless, s.dense), (12, 11, 1));
         let out = d.join(format!("out{threads}.safetensors"));

@@ -13,8 +13,10 @@
 //!   [`LANES_BYTES`] (one tensor at least, however large), so memory stays bounded;
 //! - the smaller ones, four of similar size at a time, each decoded whole (or read in
 //!   place from the file's map, if dense) and the four hashed at once, groups in
-//!   parallel ([`crate::pipeline::ordered_light`], at most [`STREAM_BYTES`] of stored
-//!   bytes in flight).
+//!   parallel, in waves of at most `SMALL_BYTES` of stored bytes.
+//!
+//! Both passes run on the caller's rayon pool (`rayon::join`), and nothing in them blocks a
+//! worker on a channel, so a pool of one thread runs them too.
 //!
 //! The schedule depends on the tensors' sizes only, never on the thread count, and so
 //! does the error reported: in the first pass, the first round with a failure and in it
@@ -174,7 +176,7 @@ impl Artifact {
         ts: &[&TensorRecipe],
         blocks: bool,
         sink: impl Fn(usize, u64, &[u8]) -> Result<()> + Sync,
-        mut done: impl FnMut(usize) -> Result<()>,
+        done: impl FnMut(usize) -> Result<()> + Send,
     ) -> Result<()> {
         let size = |i: &usize| ts.get(*i).and_then(|t| decoded_bytes(t)).unwrap_or(0);
         // largest first, ties in the caller's order
@@ -183,42 +185,25 @@ impl Artifact {
         let (large, small): (Vec<usize>, Vec<usize>) = order
             .into_iter()
             .partition(|i| size(i) > STREAM_PIECE as u64);
-        // the two passes at once: the first's lanes are few when its tensors are few (one
-        // large embedding table streams alone), and its one chain of SHA-256 a tensor then
-        // leaves a core idle that the small tensors fill. The second runs from a thread of
-        // its own (its pipeline waits on results, which a pool worker must not) and hands
-        // the tensors it has finished to this one, which calls `done`.
-        let (ended_tx, ended_rx) = std::sync::mpsc::channel::<usize>();
-        std::thread::scope(|scope| {
-            let sink = &sink;
-            let second = scope.spawn(move || {
-                self.digest_small(ts, &small, blocks, sink, &mut |i| {
-                    // the receiver lives until this thread is joined
-                    let _ = ended_tx.send(i);
-                    Ok(())
+        // the two passes at once, on the caller's pool: the first's lanes are few when its
+        // tensors are few (one large embedding table streams alone), and its one chain of
+        // SHA-256 a tensor then leaves a core idle that the small tensors fill
+        let done = std::sync::Mutex::new(done);
+        let report = |i: usize| -> Result<()> {
+            (done
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner))(i)
+        };
+        let (first, second) = rayon::join(
+            || {
+                self.stream_large(ts, large, blocks, &sink, &mut |ended| {
+                    ended.iter().try_for_each(|&i| report(i))
                 })
-            });
-            let drain = |done: &mut dyn FnMut(usize) -> Result<()>| -> Result<()> {
-                ended_rx.try_iter().try_for_each(&mut *done)
-            };
-            // after every round: the tensors it ended, then those the second pass has
-            // finished meanwhile (so progress moves while a large tensor streams)
-            let first = self.stream_large(ts, large, blocks, sink, &mut |ended| {
-                ended.iter().try_for_each(|&i| done(i))?;
-                drain(&mut done)
-            });
-            // the second pass's finished tensors as they come, until it ends
-            let rest = if first.is_ok() {
-                ended_rx.iter().try_for_each(&mut done)
-            } else {
-                Ok(())
-            };
-            let second = second
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p));
-            // the first pass's failure first, whatever the timing
-            first.and(second).and(rest)
-        })
+            },
+            || self.digest_small(ts, &small, blocks, &sink, &report),
+        );
+        // the first pass's failure first, whatever the timing
+        first.and(second)
     }
 
     /// The first pass of [`Artifact::stream_digested`]: tensors `queue` (indices into
@@ -352,7 +337,7 @@ impl Artifact {
         small: &[usize],
         blocks: bool,
         sink: &(impl Fn(usize, u64, &[u8]) -> Result<()> + Sync),
-        done: &mut impl FnMut(usize) -> Result<()>,
+        done: &(impl Fn(usize) -> Result<()> + Sync),
     ) -> Result<()> {
         let weight = |g: &&[usize]| {
             g.iter()
@@ -403,9 +388,30 @@ impl Artifact {
                 None => Ok(g.to_vec()),
             }
         };
-        crate::pipeline::ordered_light(small.chunks(LANES), weight, SMALL_BYTES, work, |ended| {
-            ended.into_iter().try_for_each(&mut *done)
-        })
+        // waves of groups whose stored bytes fit SMALL_BYTES (one group at least), each
+        // wave's groups in parallel: a pool worker may run this, so nothing here waits on
+        // a channel (as `pipeline::ordered_light` does) while the pool has work queued
+        let groups: Vec<&[usize]> = small.chunks(LANES).collect();
+        let mut at = 0;
+        while at < groups.len() {
+            let (mut end, mut bytes) = (at, 0u64);
+            while let Some(g) = groups.get(end) {
+                let w = weight(g);
+                if end > at && bytes.saturating_add(w) > SMALL_BYTES {
+                    break;
+                }
+                bytes = bytes.saturating_add(w);
+                end = end.saturating_add(1);
+            }
+            let wave = groups.get(at..end).unwrap_or(&[]);
+            let results: Vec<Result<Vec<usize>>> = wave.par_iter().map(|g| work(g)).collect();
+            // the first failing group in order
+            for r in results {
+                r?.into_iter().try_for_each(done)?;
+            }
+            at = end;
+        }
+        Ok(())
     }
 
     /// A small tensor's decoded bytes, whole: a dense one's in the file's map, a lossless

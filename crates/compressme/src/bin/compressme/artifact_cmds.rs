@@ -736,8 +736,20 @@ pub(crate) fn verify(artifact: &Path, stored: bool, limits: &Limits) -> Result<(
     let t0 = Instant::now();
     let a = Artifact::open(artifact, limits)
         .with_context(|| format!("opening {}", artifact.display()))?;
-    let s = if stored { a.check_stored() } else { a.verify() }
-        .with_context(|| format!("verifying {}", artifact.display()))?;
+    // bounded by the limits `open` checked
+    let total: u64 = a.recipe().tensors.iter().map(|t| a.expansion(t).0).sum();
+    let pb = bar(total);
+    let tick = |name: &str, n: u64| {
+        pb.set_message(name.to_string());
+        pb.inc(n);
+    };
+    let s = if stored {
+        a.check_stored_with(tick)
+    } else {
+        a.verify_with(tick)
+    }
+    .with_context(|| format!("verifying {}", artifact.display()))?;
+    pb.finish_and_clear();
     let what = if stored {
         "every stored byte matches its digest (not decoded)"
     } else {
