@@ -456,6 +456,11 @@ impl Artifact {
     /// the input, so the whole-tensor digests (taken from the input) hold for what the
     /// checked blocks decode to. [`Artifact::verify`] decodes and hashes them again.
     ///
+    /// Runs on [`crate::pipeline::ordered_light`], whose calling thread waits on its
+    /// results: call it from outside rayon's pool (from a worker of a one-thread pool it
+    /// would wait forever), as [`Artifact::verify`]'s quantized tensors and
+    /// [`crate::unpack`]'s also need.
+    ///
     /// # Errors
     /// The first failure, naming the tensor (and block).
     ///
