@@ -8,7 +8,7 @@ use std::path::Path;
 use compressme_blockstore::ValueKind;
 
 use crate::Result;
-use crate::read::{Artifact, STREAM_BYTES, Summary, has_whole_digest};
+use crate::read::{Artifact, Summary, has_whole_digest};
 use crate::recipe::TensorRecipe;
 use crate::st::{AtomicFile, Dtype, Durability, Planned, header_bytes};
 use crate::validate::decoded_bytes;
@@ -180,45 +180,22 @@ pub fn unpack(
         }
         progress(&t.name, len);
     };
-    let (digested, quantized): (Vec<_>, Vec<_>) = tensors
-        .iter()
-        .zip(offsets)
-        .zip(&planned)
-        .partition(|((t, _), _)| has_whole_digest(t));
-    // quantized tensors (their seal is the payload digest) in parallel, each written at
-    // its offset as it is dequantized, so writing overlaps decoding
-    let weight = |((t, _), _): &((&TensorRecipe, u64), &Planned)| art.stored_bytes(t);
-    let work = |((t, offset), _): ((&TensorRecipe, u64), &Planned)| -> Result<()> {
-        art.stream_dequantized(t, |at, piece| write_at(offset.saturating_add(at), piece))
-    };
-    let mut sunk = quantized.iter();
-    crate::pipeline::ordered_light(
-        quantized.iter().copied(),
-        weight,
-        STREAM_BYTES as u64,
-        work,
-        |()| {
-            if let Some(((t, _), p)) = sunk.next() {
-                count(t, p.len, false);
-            }
-            Ok(())
-        },
-    )?;
-    // then dense and lossless tensors side by side, their whole-tensor digests four at a
+    // quantized tensors in parallel, each written at its offset as it is dequantized;
+    // then dense and lossless ones side by side, their whole-tensor digests four at a
     // time: every lossless block is decoded and the result checked against the tensor's
     // digest (block digests are `verify`'s, which names the block); a mismatch abandons
     // the file before it is renamed
-    let ts: Vec<&TensorRecipe> = digested.iter().map(|((t, _), _)| *t).collect();
-    art.stream_digested(
+    let ts: Vec<&TensorRecipe> = tensors.iter().collect();
+    art.stream_all(
         &ts,
         false,
         |i, at, piece| {
-            let offset = digested.get(i).map_or(u64::MAX, |((_, o), _)| *o);
+            let offset = offsets.get(i).copied().unwrap_or(u64::MAX);
             write_at(offset.saturating_add(at), piece)
         },
         |i| {
-            if let Some(((t, _), p)) = digested.get(i) {
-                count(t, p.len, true);
+            if let (Some(t), Some(p)) = (ts.get(i), planned.get(i)) {
+                count(t, p.len, has_whole_digest(t));
             }
             Ok(())
         },

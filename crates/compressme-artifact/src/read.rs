@@ -485,48 +485,28 @@ impl Artifact {
             file_bytes: self.file_bytes,
             ..Summary::default()
         };
-        let weight = |t: &&TensorRecipe| self.stored_bytes(t);
-        let work = |t: &TensorRecipe| self.check_tensor(t, decode);
-        let mut checked = |t: &TensorRecipe| progress(&t.name, decoded_bytes(t).unwrap_or(0));
+        let ts: Vec<&TensorRecipe> = self.recipe.tensors.iter().collect();
+        let checked = |i: usize| {
+            if let Some(t) = ts.get(i) {
+                progress(&t.name, decoded_bytes(t).unwrap_or(0));
+            }
+            Ok(())
+        };
         if decode {
-            // quantized tensors one by one (their check is the payload digest), then the
-            // rest side by side, their whole-tensor digests four at a time
-            let (digested, quantized): (Vec<&TensorRecipe>, Vec<&TensorRecipe>) = self
-                .recipe
-                .tensors
-                .iter()
-                .partition(|t| has_whole_digest(t));
-            let mut sunk = quantized.iter();
-            crate::pipeline::ordered_light(
-                quantized.iter().copied(),
-                weight,
-                STREAM_BYTES as u64,
-                work,
-                |()| {
-                    sunk.next().into_iter().for_each(|t| checked(t));
-                    Ok(())
-                },
-            )?;
-            self.stream_digested(
-                &digested,
-                true,
-                |_, _, _| Ok(()),
-                |i| {
-                    digested.get(i).into_iter().for_each(|t| checked(t));
-                    Ok(())
-                },
-            )?;
+            self.stream_all(&ts, true, |_, _, _| Ok(()), checked)?;
         } else {
-            let mut sunk = self.recipe.tensors.iter();
+            // every digest against the stored bytes, nothing decoded
+            let weight = |i: &usize| ts.get(*i).map_or(0, |t| self.stored_bytes(t));
+            let work = |i: usize| -> Result<usize> {
+                let t = ts.get(i).ok_or(Error::Cancelled)?;
+                self.read_stored(&t.name).map(|_| i)
+            };
             crate::pipeline::ordered_light(
-                self.recipe.tensors.iter(),
+                0..ts.len(),
                 weight,
                 STREAM_BYTES as u64,
                 work,
-                |()| {
-                    sunk.next().into_iter().for_each(&mut checked);
-                    Ok(())
-                },
+                checked,
             )?;
         }
         for t in &self.recipe.tensors {
@@ -551,16 +531,6 @@ impl Artifact {
             }
         }
         Ok(s)
-    }
-
-    /// One tensor of [`Artifact::check`].
-    fn check_tensor(&self, t: &TensorRecipe, decode: bool) -> Result<()> {
-        if !decode {
-            // every digest against the stored bytes, nothing decoded
-            self.read_stored(&t.name)?;
-            return Ok(());
-        }
-        self.stream_dequantized(t, |_, _| Ok(()))
     }
 }
 

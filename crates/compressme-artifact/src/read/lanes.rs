@@ -28,7 +28,7 @@ use rayon::prelude::*;
 
 use compressme_blockstore::{BlockStore, Sha256Streams, sha256_many};
 
-use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored};
+use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, has_whole_digest};
 use crate::recipe::{StorageRecipe, TensorRecipe, hex};
 use crate::st::Mapped;
 use crate::validate::decoded_bytes;
@@ -39,7 +39,7 @@ const LANES: usize = 4;
 
 /// Stored bytes of the tensors in the lanes at once (one tensor at least): their pages of
 /// the file's map, which stay resident until the tensor ends.
-pub(crate) const LANES_BYTES: u64 = 8 * STREAM_BYTES as u64;
+const LANES_BYTES: u64 = 8 * STREAM_BYTES as u64;
 
 /// Stored bytes of the small tensors' groups in flight at once (one group at least): enough
 /// to keep two cores busy, few enough that the groups' buffers are reused.
@@ -161,6 +161,44 @@ struct Piece {
 }
 
 impl Artifact {
+    /// Every tensor of `ts`, read and checked: quantized ones dequantized a piece at a time
+    /// (their seal is the payload digest), tensors in parallel on
+    /// [`crate::pipeline::ordered_light`]; then dense and lossless ones through
+    /// [`Artifact::stream_digested`]. `sink` and `done` get each tensor's place in `ts`.
+    /// What `verify` and `unpack` share.
+    ///
+    /// # Errors
+    /// The first failure among the quantized tensors in `ts`'s order, else
+    /// [`Artifact::stream_digested`]'s; or `sink`'s or `done`'s.
+    pub(crate) fn stream_all(
+        &self,
+        ts: &[&TensorRecipe],
+        blocks: bool,
+        sink: impl Fn(usize, u64, &[u8]) -> Result<()> + Sync,
+        mut done: impl FnMut(usize) -> Result<()> + Send,
+    ) -> Result<()> {
+        let (digested, quantized): (Vec<usize>, Vec<usize>) =
+            (0..ts.len()).partition(|&i| ts.get(i).is_some_and(|t| has_whole_digest(t)));
+        let weight = |i: &usize| ts.get(*i).map_or(0, |t| self.stored_bytes(t));
+        let work = |i: usize| -> Result<usize> {
+            let t = ts.get(i).ok_or(Error::Cancelled)?;
+            self.stream_dequantized(t, |at, piece| sink(i, at, piece))?;
+            Ok(i)
+        };
+        crate::pipeline::ordered_light(quantized, weight, STREAM_BYTES as u64, work, &mut done)?;
+        let lanes: Vec<&TensorRecipe> = digested
+            .iter()
+            .filter_map(|&i| ts.get(i).copied())
+            .collect();
+        let place = |j: usize| digested.get(j).copied().unwrap_or(usize::MAX);
+        self.stream_digested(
+            &lanes,
+            blocks,
+            |j, at, piece| sink(place(j), at, piece),
+            |j| done(place(j)),
+        )
+    }
+
     /// Streams `ts` (dense and lossless tensors: an error for a quantized one) side by
     /// side, four at a time, and checks each against its whole-tensor SHA-256, taken in
     /// lockstep with the others' (see the module's documentation). `sink` gets each
