@@ -51,7 +51,31 @@ pub struct Decoder<'s> {
     /// Rows of the current block that a request wants (row-indexed planes decode only these).
     want: Vec<bool>,
     zstd: Option<zstd::bulk::Decompressor<'static>>,
+    /// Which region of `scratch` and `const_row` the block being prepared puts its planes
+    /// in (0 but in [`Decoder::decode_blocks`], which prepares several blocks side by side).
+    slot: usize,
+    /// While [`Decoder::decode_blocks`] prepares a group, the rANS planes it leaves to
+    /// be decoded together.
+    deferred: Option<Vec<Deferred>>,
 }
+
+/// A whole rANS plane left for [`crate::rans::decode_many`].
+#[derive(Debug, Clone, Copy)]
+struct Deferred {
+    block: usize,
+    /// Plane and table.
+    plane: usize,
+    table: usize,
+    /// The stream's place in the payload.
+    stream: (usize, usize),
+    /// Where its symbols go in the scratch.
+    dst: (usize, usize),
+}
+
+/// Blocks [`Decoder::decode_blocks`] prepares side by side, so that their rANS planes
+/// decode together ([`crate::rans::TOGETHER`]); ranges of a multiple of this many
+/// blocks make the best tasks.
+pub const BLOCKS_TOGETHER: usize = crate::rans::TOGETHER;
 
 impl std::fmt::Debug for Decoder<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -72,6 +96,8 @@ impl<'s> Decoder<'s> {
             order: Vec::new(),
             want: Vec::new(),
             zstd: None,
+            slot: 0,
+            deferred: None,
         }
     }
 
@@ -169,6 +195,148 @@ impl<'s> Decoder<'s> {
         Ok(rows)
     }
 
+    /// Decodes every row of blocks `blocks` into `out` (their rows one after another),
+    /// with the same bytes and the same first error as [`Decoder::decode_block`] on each
+    /// in turn. [`BLOCKS_TOGETHER`] blocks at a time are prepared side by side and their
+    /// whole rANS planes decoded together, which is faster than one stream after another.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a range past the end or an `out` of the wrong length
+    /// (before anything is decoded); then as [`Decoder::decode_rows`].
+    pub fn decode_blocks(&mut self, blocks: std::ops::Range<usize>, out: &mut [u8]) -> Result<()> {
+        let s = self.store;
+        let rb = s.row_bytes;
+        if blocks.end > s.num_blocks() || blocks.start > blocks.end {
+            return Err(Error::InvalidInput(format!(
+                "blocks {blocks:?} out of range ({} blocks)",
+                s.num_blocks()
+            )));
+        }
+        let mut sizes = Vec::with_capacity(blocks.len());
+        let mut total = 0usize;
+        for b in blocks.clone() {
+            let bytes = self.rows_in_block(b)?.saturating_mul(rb);
+            sizes.push(bytes);
+            total = total.saturating_add(bytes);
+        }
+        if total != out.len() {
+            return Err(Error::InvalidInput(format!(
+                "blocks {blocks:?} need {total} output bytes, got {}",
+                out.len()
+            )));
+        }
+        if rb == 0 {
+            return Ok(());
+        }
+        let mut out = out;
+        let mut sizes = sizes.as_slice();
+        let mut first = blocks.start;
+        while first < blocks.end {
+            let count = blocks.end.saturating_sub(first).min(BLOCKS_TOGETHER);
+            let (group_sizes, rest) = sizes.split_at_checked(count).unwrap_or((sizes, &[]));
+            sizes = rest;
+            let (head, tail) = std::mem::take(&mut out)
+                .split_at_mut_checked(group_sizes.iter().sum())
+                .ok_or_else(|| Error::Malformed("output shorter than its blocks".into()))?;
+            out = tail;
+            self.decode_group(first, group_sizes, head)?;
+            first = first.saturating_add(count);
+        }
+        Ok(())
+    }
+
+    /// Blocks `first..` (one per entry of `sizes`, their output bytes) into the front of
+    /// `out`: each prepared in its own scratch region with its whole rANS planes left
+    /// aside, those decoded together, then each block's rows gathered. The first error in
+    /// block order, as one block after another would give it.
+    fn decode_group(&mut self, first: usize, sizes: &[usize], out: &mut [u8]) -> Result<()> {
+        let s = self.store;
+        let rb = s.row_bytes;
+        let mut srcs = Vec::with_capacity(sizes.len());
+        let mut failed = None;
+        self.deferred = Some(Vec::new());
+        for (j, &bytes) in sizes.iter().enumerate() {
+            let block = first.saturating_add(j);
+            let rows = bytes.checked_div(rb).unwrap_or(0);
+            self.slot = j;
+            self.want.clear();
+            self.want.resize(rows, true);
+            match self.prepare(block, rows) {
+                Ok(src) => srcs.push(src),
+                Err(err) => {
+                    failed = Some(err);
+                    break;
+                }
+            }
+        }
+        self.slot = 0;
+        let deferred = self.deferred.take().unwrap_or_default();
+        // the planes' streams, each with its own part of the scratch (the parts follow
+        // one another in the order they were left)
+        let mut jobs = Vec::with_capacity(deferred.len());
+        let mut rest = self.scratch.as_mut_slice();
+        let mut at_ = 0usize;
+        for d in &deferred {
+            let table = s
+                .rans
+                .get(d.plane)
+                .and_then(|ts| ts.get(d.table))
+                .ok_or_else(|| Error::Malformed("deferred plane's table".into()))?;
+            let stream = s
+                .payload
+                .as_slice()
+                .get(at(d.stream.0, d.stream.1))
+                .ok_or_else(|| Error::Malformed("deferred plane's stream".into()))?;
+            let skip = d
+                .dst
+                .0
+                .checked_sub(at_)
+                .ok_or_else(|| Error::Malformed("deferred planes out of order".into()))?;
+            let (_, tail) = std::mem::take(&mut rest)
+                .split_at_mut_checked(skip)
+                .ok_or_else(|| Error::Malformed("scratch".into()))?;
+            let (dst, tail) = tail
+                .split_at_mut_checked(d.dst.1)
+                .ok_or_else(|| Error::Malformed("scratch".into()))?;
+            rest = tail;
+            at_ = d.dst.0.saturating_add(d.dst.1);
+            jobs.push(crate::rans::Job {
+                table,
+                stream,
+                out: dst,
+                exact: true,
+            });
+        }
+        let results = crate::rans::decode_many(&mut jobs);
+        drop(jobs);
+        // a plane's error comes before anything later in its block and after it
+        for (d, r) in deferred.iter().zip(results) {
+            r.map_err(|e| e.in_block(d.block))?;
+        }
+        if let Some(err) = failed {
+            // the blocks before the failing one are still written, as one by one would
+            self.gather_group(&srcs, sizes, out)?;
+            return Err(err);
+        }
+        self.gather_group(&srcs, sizes, out)
+    }
+
+    /// Each prepared block's rows into `out`, one block after another.
+    fn gather_group(&self, srcs: &[[Src; 8]], sizes: &[usize], out: &mut [u8]) -> Result<()> {
+        let rb = self.store.row_bytes;
+        let mut off = 0usize;
+        for (src, &bytes) in srcs.iter().zip(sizes) {
+            let dst = out
+                .get_mut(at(off, bytes))
+                .ok_or_else(|| Error::Malformed("block outside output".into()))?;
+            for (r, d) in dst.chunks_exact_mut(rb.max(1)).enumerate() {
+                self.gather(src, r, d)?;
+            }
+            off = off.saturating_add(bytes);
+        }
+        Ok(())
+    }
+
     fn rows_in_block(&self, block: usize) -> Result<usize> {
         let s = self.store;
         if block >= s.num_blocks() {
@@ -196,11 +364,18 @@ impl<'s> Decoder<'s> {
         let n = rows.saturating_mul(re); // bytes per plane in this block
         let bytes = s.block_bytes(block)?;
         let base = s.offsets.get(block).copied().unwrap_or(0);
-        if self.scratch.len() < e.saturating_mul(n) {
-            self.scratch.resize(e.saturating_mul(n), 0);
+        // each slot's planes: a block's worth of scratch and a row's worth of constants
+        let region = self
+            .slot
+            .saturating_mul(s.block_rows.saturating_mul(s.row_bytes));
+        let plane_at = |k: usize| region.saturating_add(k.saturating_mul(n));
+        let consts = self.slot.saturating_mul(s.row_bytes);
+        if self.scratch.len() < plane_at(e) {
+            self.scratch.resize(plane_at(e), 0);
         }
-        if self.const_row.len() < e.saturating_mul(re) {
-            self.const_row.resize(e.saturating_mul(re), 0);
+        if self.const_row.len() < consts.saturating_add(e.saturating_mul(re)) {
+            self.const_row
+                .resize(consts.saturating_add(e.saturating_mul(re)), 0);
         }
         let mut srcs = [Src::Const(0); 8];
         let mut pos = 0usize;
@@ -224,10 +399,11 @@ impl<'s> Decoder<'s> {
                         .get(pos)
                         .ok_or_else(|| bad("constant plane has no value"))?;
                     pos = pos.saturating_add(1);
-                    if let Some(r) = self.const_row.get_mut(row(k, re)) {
+                    let c = consts.saturating_add(k.saturating_mul(re));
+                    if let Some(r) = self.const_row.get_mut(at(c, re)) {
                         r.fill(v);
                     }
-                    *src = Src::Const(k.saturating_mul(re));
+                    *src = Src::Const(c);
                 }
                 MODE_ZSTD => {
                     let len = get_varint(bytes, &mut pos).map_err(|e| e.in_block(block))?;
@@ -237,7 +413,7 @@ impl<'s> Decoder<'s> {
                     pos = pos.saturating_add(len);
                     let dst = self
                         .scratch
-                        .get_mut(row(k, n))
+                        .get_mut(at(plane_at(k), n))
                         .ok_or_else(|| bad("scratch"))?;
                     let dec = match &mut self.zstd {
                         Some(d) => d,
@@ -252,7 +428,7 @@ impl<'s> Decoder<'s> {
                     if got != n {
                         return Err(bad(&format!("zstd plane holds {got} bytes, expected {n}")));
                     }
-                    *src = Src::Scratch(k.saturating_mul(n));
+                    *src = Src::Scratch(plane_at(k));
                 }
                 m if (MODE_RANS..MODE_RANS.saturating_add(16)).contains(&m) => {
                     let t = usize::from(m.saturating_sub(MODE_RANS));
@@ -266,16 +442,28 @@ impl<'s> Decoder<'s> {
                             "plane {k} names rANS table {t}, which does not exist"
                         ))
                     })?;
-                    // one stream over the plane: decoded up to the last row needed
+                    // one stream over the plane: decoded up to the last row needed, or
+                    // left for later with the other blocks' planes
                     let upto = need.min(rows).saturating_mul(re);
+                    if let Some(jobs) = self.deferred.as_mut().filter(|_| upto == n) {
+                        jobs.push(Deferred {
+                            block,
+                            plane: k,
+                            table: t,
+                            stream: (base.saturating_add(pos.saturating_sub(len)), len),
+                            dst: (plane_at(k), n),
+                        });
+                        *src = Src::Scratch(plane_at(k));
+                        continue;
+                    }
                     let dst = self
                         .scratch
-                        .get_mut(at(k.saturating_mul(n), upto))
+                        .get_mut(at(plane_at(k), upto))
                         .ok_or_else(|| bad("scratch"))?;
                     table
                         .decode(stream, dst, upto == n)
                         .map_err(|e| e.in_block(block))?;
-                    *src = Src::Scratch(k.saturating_mul(n));
+                    *src = Src::Scratch(plane_at(k));
                 }
                 m if (MODE_HUFFMAN_ROWS..MODE_RANS).contains(&m) => {
                     let t = m.saturating_sub(MODE_HUFFMAN_ROWS);
@@ -288,7 +476,7 @@ impl<'s> Decoder<'s> {
                     // the wanted rows' segments, decoded two at a time
                     let plane = self
                         .scratch
-                        .get_mut(row(k, n))
+                        .get_mut(at(plane_at(k), n))
                         .ok_or_else(|| bad("scratch"))?;
                     let mut start = 0usize;
                     let mut pending: Option<(usize, &[u8])> = None;
@@ -323,7 +511,7 @@ impl<'s> Decoder<'s> {
                         let a = plane.get_mut(row(r0, re)).ok_or_else(|| bad("scratch"))?;
                         dec.decode(seg0, a, true).map_err(|e| e.in_block(block))?;
                     }
-                    *src = Src::Scratch(k.saturating_mul(n));
+                    *src = Src::Scratch(plane_at(k));
                 }
                 m if (MODE_HUFFMAN..MODE_HUFFMAN_ROWS).contains(&m) => {
                     let t = m.saturating_sub(MODE_HUFFMAN);
@@ -348,7 +536,7 @@ impl<'s> Decoder<'s> {
                         .map_or(0, |r| r.saturating_add(1).saturating_sub(h));
                     let plane = self
                         .scratch
-                        .get_mut(row(k, n))
+                        .get_mut(at(plane_at(k), n))
                         .ok_or_else(|| bad("scratch"))?;
                     let (pa, pb) = plane.split_at_mut(h.saturating_mul(re).min(n));
                     let oa = pa
@@ -365,7 +553,7 @@ impl<'s> Decoder<'s> {
                         (false, false) => Ok(()),
                     };
                     done.map_err(|e| e.in_block(block))?;
-                    *src = Src::Scratch(k.saturating_mul(n));
+                    *src = Src::Scratch(plane_at(k));
                 }
                 other => return Err(bad(&format!("unknown plane mode {other}"))),
             }
@@ -509,13 +697,22 @@ impl BlockStore {
         let total = usize::try_from(self.dense_bytes())
             .map_err(|_| Error::Malformed("tensor too large".into()))?;
         let mut out = vec![0u8; total];
-        let chunk = self.block_rows.saturating_mul(self.row_bytes).max(1);
+        // groups of blocks whose rANS planes decode together
+        let chunk = self
+            .block_rows
+            .saturating_mul(self.row_bytes)
+            .saturating_mul(BLOCKS_TOGETHER)
+            .max(1);
         if total == 0 {
             return Ok(out);
         }
+        let n = self.num_blocks();
         out.par_chunks_mut(chunk).enumerate().try_for_each_init(
             || Decoder::new(self),
-            |dec, (b, dst)| dec.decode_block(b, dst).map(|_| ()),
+            |dec, (g, dst)| {
+                let b = g.saturating_mul(BLOCKS_TOGETHER);
+                dec.decode_blocks(b..b.saturating_add(BLOCKS_TOGETHER).min(n), dst)
+            },
         )?;
         Ok(out)
     }

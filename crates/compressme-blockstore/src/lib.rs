@@ -60,7 +60,7 @@ mod format;
 mod huffman;
 mod rans;
 
-pub use decode::Decoder;
+pub use decode::{BLOCKS_TOGETHER, Decoder};
 pub use digest::{Sha256Streams, sha256_many};
 pub use error::{Error, Result, hex};
 pub use format::MAGIC;

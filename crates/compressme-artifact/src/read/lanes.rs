@@ -26,7 +26,7 @@
 
 use rayon::prelude::*;
 
-use compressme_blockstore::{BlockStore, Sha256Streams, sha256_many};
+use compressme_blockstore::{BLOCKS_TOGETHER, BlockStore, Sha256Streams, sha256_many};
 
 use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, has_whole_digest};
 use crate::recipe::{StorageRecipe, TensorRecipe, hex};
@@ -556,11 +556,15 @@ fn decode_blocks(
         })?;
     buf.resize(len, 0);
     let b0 = range.start;
-    buf.par_chunks_mut(block_bytes)
+    // groups of blocks whose rANS planes decode together
+    buf.par_chunks_mut(block_bytes.saturating_mul(BLOCKS_TOGETHER))
         .enumerate()
         .try_for_each_init(
             || store.decoder(),
-            |dec, (i, dst)| dec.decode_block(b0.saturating_add(i), dst).map(drop),
+            |dec, (i, dst)| {
+                let b = b0.saturating_add(i.saturating_mul(BLOCKS_TOGETHER));
+                dec.decode_blocks(b..b.saturating_add(BLOCKS_TOGETHER).min(range.end), dst)
+            },
         )
         .map_err(|source| Error::Blocks {
             tensor: name.into(),

@@ -333,3 +333,114 @@ fn verify_blocks_names_the_lowest_failing_block_of_its_range() {
     s.verify_blocks(0..37).unwrap();
     s.verify_blocks(5..5).unwrap();
 }
+
+/// `decode_blocks` prepares up to `BLOCKS_TOGETHER` blocks side by side and decodes their
+/// rANS planes together: it gives the bytes, and on damaged blocks the first error, that
+/// `decode_block` one block after another gives, whatever the range.
+#[test]
+fn blocks_decoded_together_give_what_one_by_one_gives() {
+    use compressme_blockstore::BLOCKS_TOGETHER;
+    let (rows, cols) = (40 * 16 + 5, 256);
+    let data = weights_f32(rows, cols, 11);
+    let s = store(
+        &data,
+        rows as u64,
+        cols * 4,
+        ValueKind::F32,
+        16,
+        Coder::default(),
+    );
+    let n = s.num_blocks();
+    assert!(n > 2 * BLOCKS_TOGETHER);
+    let bytes = s.to_bytes();
+    let rb = cols * 4;
+    let one_by_one = |st: &BlockStore, r: std::ops::Range<usize>| -> Result<Vec<u8>, String> {
+        let mut dec = st.decoder();
+        let mut out = Vec::new();
+        for b in r {
+            let mut buf = vec![0u8; ((b + 1) * 16).min(rows).saturating_sub(b * 16) * rb];
+            dec.decode_block(b, &mut buf).map_err(|e| e.to_string())?;
+            out.extend_from_slice(&buf);
+        }
+        Ok(out)
+    };
+    let together = |st: &BlockStore, r: std::ops::Range<usize>| -> Result<Vec<u8>, String> {
+        let end_row = (r.end * 16).min(rows);
+        let mut out = vec![0u8; (end_row - (r.start * 16).min(end_row)) * rb];
+        st.decoder()
+            .decode_blocks(r, &mut out)
+            .map_err(|e| e.to_string())?;
+        Ok(out)
+    };
+    for r in [
+        0..n,
+        1..n,
+        3..17,
+        5..6,
+        n - 1..n,
+        0..0,
+        7..7 + BLOCKS_TOGETHER,
+    ] {
+        let got = together(&s, r.clone()).unwrap();
+        let want = &data[(r.start * 16).min(rows) * rb..(r.end * 16).min(rows) * rb];
+        let first = got.iter().zip(want).position(|(a, b)| a != b);
+        assert!(
+            got == want,
+            "{r:?}: first difference at byte {first:?} (block {:?})",
+            first.map(|i| i / (16 * rb))
+        );
+        assert!(got == one_by_one(&s, r.clone()).unwrap(), "{r:?}");
+    }
+    let mut out = vec![0u8; 3];
+    assert!(matches!(
+        s.decoder().decode_blocks(0..1, &mut out),
+        Err(Error::InvalidInput(_))
+    ));
+    assert!(matches!(
+        s.decoder().decode_blocks(n - 1..n + 1, &mut out),
+        Err(Error::InvalidInput(_))
+    ));
+    // damage: with digests checked (the lowest bad block's digest is named) and skipped
+    // (the decoder's own errors, or other bytes)
+    let payload_start = bytes.len() - s.stored_bytes().payload as usize;
+    let payload = bytes.len() - payload_start;
+    let mut differing = 0;
+    for (i, flips) in [
+        vec![payload / 3],
+        vec![payload / 2, payload / 2 + 900],
+        vec![payload - 5],
+        vec![10, payload / 4, payload / 4 + 1],
+        vec![payload / 7, payload / 7 * 5],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut b = bytes.clone();
+        for f in flips {
+            b[payload_start + f] ^= 0x24 + i as u8;
+        }
+        let shared: compressme_blockstore::SharedBytes = std::sync::Arc::new(b);
+        let checked = BlockStore::from_shared(shared.clone()).unwrap();
+        let mut unchecked = BlockStore::from_shared(shared).unwrap();
+        unchecked.skip_block_digests();
+        for st in [&checked, &unchecked] {
+            for r in [0..n, 2..n - 3] {
+                let (a, b) = (together(st, r.clone()), one_by_one(st, r.clone()));
+                assert!(
+                    a == b,
+                    "case {i}, {r:?}: {:?} against {:?}",
+                    a.as_ref().err(),
+                    b.as_ref().err()
+                );
+                differing += usize::from(
+                    a.as_ref().ok()
+                        != Some(&data[(r.start * 16) * rb..(r.end * 16).min(rows) * rb].to_vec()),
+                );
+            }
+        }
+    }
+    assert!(
+        differing >= 10,
+        "the flips were noticed ({differing} of 20)"
+    );
+}
