@@ -101,6 +101,23 @@ impl<'s> Decoder<'s> {
         }
     }
 
+    /// A decoder for `store` that works in `scratch` (what [`Decoder::take_scratch`] gave
+    /// back, from any store): a fresh decoder's scratch is zeroed as it grows, a block's
+    /// worth for each of [`BLOCKS_TOGETHER`] blocks, which a caller decoding a few blocks
+    /// at a time pays again and again. Its contents do not matter.
+    #[must_use]
+    pub fn with_scratch(store: &'s BlockStore, scratch: Vec<u8>) -> Self {
+        Self {
+            scratch,
+            ..Self::new(store)
+        }
+    }
+
+    /// The scratch space, for [`Decoder::with_scratch`]; this decoder goes on with none.
+    pub fn take_scratch(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.scratch)
+    }
+
     /// Decodes rows `ids` (any order, repeats allowed, empty allowed) into `out`, one row
     /// after another in request order. Each needed block is decoded once; coded planes
     /// only up to the last requested row of the block, raw planes are read in place.
