@@ -6,7 +6,9 @@
 //! and exponent-like (a few values, about 1.8 bits); then the same bytes as 2-byte elements
 //! (an exponent-like and a mantissa-like plane, as bf16) and as 4-byte elements (one
 //! exponent-like and three mantissa-like planes, as f32), 384 elements a row, where a
-//! block's planes are decoded together. Best of 5 passes over every block.
+//! block's planes are decoded together. Best of 5 passes over every block, one block at a
+//! time (`decode_block`) and all blocks at once (`decode_blocks`, which decodes the rANS
+//! planes of six blocks side by side).
 use compressme_blockstore::{BlockStore, Coder, EncodeOptions, ValueKind};
 use compressme_shuffle::ElementSize;
 
