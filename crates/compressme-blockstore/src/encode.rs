@@ -702,25 +702,33 @@ impl BlockStore {
     /// Decodes every block and compares it with `data`; an encoder bug surfaces here as an
     /// error naming the block instead of as a silently wrong store.
     fn check_against(&self, data: &[u8], parallel: bool) -> Result<()> {
-        let chunk = (self.block_rows * self.row_bytes).max(1);
+        // groups of blocks decoded side by side, as readers decode them
+        let together = crate::BLOCKS_TOGETHER;
+        let block = (self.block_rows * self.row_bytes).max(1);
+        let n = self.num_blocks();
         let check = |dec: &mut crate::Decoder<'_>,
                      buf: &mut Vec<u8>,
-                     (b, want): (usize, &[u8])|
+                     (g, want): (usize, &[u8])|
          -> Result<()> {
             buf.resize(want.len(), 0);
-            dec.decode_block(b, buf)?;
-            if buf.as_slice() == want {
-                Ok(())
-            } else {
-                Err(Error::BadBlock {
-                    block: b,
+            let first = g * together;
+            dec.decode_blocks(first..(first + together).min(n), buf)?;
+            match buf
+                .chunks(block)
+                .zip(want.chunks(block))
+                .position(|(a, b)| a != b)
+            {
+                None => Ok(()),
+                Some(k) => Err(Error::BadBlock {
+                    block: first + k,
                     reason: "encoder produced a block that does not decode to its input".into(),
-                })
+                }),
             }
         };
         if self.row_bytes == 0 {
             return Ok(());
         }
+        let chunk = block * together;
         if parallel {
             data.par_chunks(chunk).enumerate().try_for_each_init(
                 || (self.decoder(), Vec::new()),

@@ -578,8 +578,23 @@ pub(crate) mod simd {
     }
 
     impl Tier {
-        /// The best tier this CPU has (detected once by the standard library, then cached).
+        /// The best tier this CPU has, or a lower one that `COMPRESSME_RANS` names
+        /// (`portable`, `avx2`; a tier the CPU lacks, or any other value, is ignored),
+        /// decided once a process.
         pub(crate) fn detect() -> Self {
+            static TIER: std::sync::OnceLock<Tier> = std::sync::OnceLock::new();
+            *TIER.get_or_init(|| {
+                let best = Self::best();
+                match std::env::var("COMPRESSME_RANS").as_deref() {
+                    Ok("portable") => Self::Portable,
+                    Ok("avx2") if best != Self::Portable => Self::Avx2,
+                    _ => best,
+                }
+            })
+        }
+
+        /// The best tier this CPU has.
+        fn best() -> Self {
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f")
@@ -597,7 +612,7 @@ pub(crate) mod simd {
         /// Every tier this CPU has, portable first.
         #[cfg(test)]
         pub(crate) fn available() -> Vec<Self> {
-            match Self::detect() {
+            match Self::best() {
                 Self::Portable => vec![Self::Portable],
                 Self::Avx2 => vec![Self::Portable, Self::Avx2],
                 Self::Avx512 => vec![Self::Portable, Self::Avx2, Self::Avx512],
