@@ -36,6 +36,19 @@ pub struct Added {
     pub kept_dense: bool,
 }
 
+/// The block store's options for a lossless tensor of `dtype`.
+fn lossless_options(
+    dtype: Dtype,
+    block_rows: usize,
+    coder: Coder,
+    row_index: bool,
+) -> EncodeOptions {
+    EncodeOptions::new(value_kind(dtype))
+        .block_rows(block_rows)
+        .coder(coder)
+        .row_index(row_index)
+}
+
 /// Names a writer refuses: payload names are `cm.`-prefixed.
 fn reserved(name: &str) -> Result<()> {
     if name.starts_with("cm.") || name == "__metadata__" {
@@ -540,57 +553,14 @@ impl Writer {
                 if bytes.is_empty() {
                     return Ok(Self::prepare_dense(name, dtype, shape, input, true));
                 }
-                let opts = EncodeOptions::new(value_kind(dtype))
-                    .block_rows(*block_rows)
-                    .coder(*coder)
-                    .row_index(*row_index);
+                let opts = lossless_options(dtype, *block_rows, *coder, *row_index);
                 // the whole-tensor digest on one core while the blocks are coded
                 let (sha, store) = rayon::join(
                     || sha256_hex(bytes),
                     || BlockStore::encode(bytes, rows, row_bytes as usize, &opts),
                 );
-                let store = store.map_err(|source| Error::Blocks {
-                    tensor: name.into(),
-                    source,
-                })?;
-                let index = store.index_bytes();
-                let blob_len = index.len() + store.payload().len();
-                if blob_len >= bytes.len() {
-                    return Ok(Self::prepare_dense(name, dtype, shape, input, true));
-                }
-                let index_sha = hex(&store.index_digest());
-                Ok(Prepared {
-                    parts: vec![(
-                        Planned {
-                            name: blocks_name(name),
-                            dtype: Dtype::U8,
-                            shape: vec![blob_len],
-                            len: blob_len as u64,
-                        },
-                        Part::Store(index, Box::new(store)),
-                    )],
-                    tensor: TensorRecipe {
-                        name: name.into(),
-                        dtype: dtype.name().into(),
-                        shape: shape.to_vec(),
-                        sha256: Some(sha),
-                        storage: lossless_recipe(
-                            dtype,
-                            shape,
-                            *block_rows,
-                            *coder,
-                            *row_index,
-                            index_sha,
-                        ),
-                    },
-                    added: Added {
-                        name: name.into(),
-                        storage: "lossless".into(),
-                        dense_bytes: bytes.len() as u64,
-                        stored_bytes: blob_len as u64,
-                        kept_dense: false,
-                    },
-                })
+                let coding = (*block_rows, *coder, *row_index);
+                Self::lossless_prepared(name, dtype, shape, input, coding, sha, store)
             }
             Storage::Quantized { format, importance } => {
                 if !dtype.is_float() || shape.len() < 2 {
@@ -616,6 +586,131 @@ impl Writer {
                 Ok(p)
             }
         }
+    }
+
+    /// Prepares several lossless tensors at once: as [`Writer::prepare`] gives each, the
+    /// same bytes and recipe entries, with their whole-tensor SHA-256s taken four at a
+    /// time in lockstep (on another core while the blocks are coded) where one tensor at
+    /// a time runs one chain at the latency of the SHA unit. A `storage` that is not
+    /// lossless prepares each tensor alone. One result a tensor, in order.
+    pub fn prepare_many<'a>(
+        tensors: Vec<(String, Dtype, Vec<usize>, Input<'a>)>,
+        storage: &Storage,
+    ) -> Vec<Result<Prepared<'a>>> {
+        let &Storage::Lossless {
+            block_rows,
+            coder,
+            row_index,
+        } = storage
+        else {
+            return tensors
+                .into_iter()
+                .map(|(name, dtype, shape, input)| {
+                    Self::prepare(&name, dtype, &shape, input, storage)
+                })
+                .collect();
+        };
+        // the tensors whose blocks are coded: the rest go through `prepare` (its errors,
+        // or a dense entry for an empty tensor)
+        let coded: Vec<bool> = tensors
+            .iter()
+            .map(|(name, dtype, shape, input)| {
+                let bytes = input.as_slice();
+                Self::check_size(name, *dtype, shape, bytes).is_ok()
+                    && reserved(name).is_ok()
+                    && !bytes.is_empty()
+            })
+            .collect();
+        let slices: Vec<&[u8]> = tensors
+            .iter()
+            .zip(&coded)
+            .filter(|(_, c)| **c)
+            .map(|((_, _, _, input), _)| input.as_slice())
+            .collect();
+        let (digests, stores) = rayon::join(
+            || compressme_blockstore::sha256_many(&slices),
+            || {
+                tensors
+                    .iter()
+                    .zip(&coded)
+                    .filter(|(_, c)| **c)
+                    .map(|((_, dtype, shape, input), _)| {
+                        let (rows, row_bytes) = row_view(*dtype, shape);
+                        let opts = lossless_options(*dtype, block_rows, coder, row_index);
+                        BlockStore::encode(input.as_slice(), rows, row_bytes as usize, &opts)
+                    })
+                    .collect::<Vec<_>>()
+            },
+        );
+        drop(slices);
+        let mut done = digests.into_iter().zip(stores);
+        tensors
+            .into_iter()
+            .zip(coded)
+            .map(|((name, dtype, shape, input), c)| {
+                if !c {
+                    return Self::prepare(&name, dtype, &shape, input, storage);
+                }
+                let Some((sha, store)) = done.next() else {
+                    return Err(Error::Invalid {
+                        tensor: name,
+                        reason: "no digest for a coded tensor".into(),
+                    });
+                };
+                let coding = (block_rows, coder, row_index);
+                Self::lossless_prepared(&name, dtype, &shape, input, coding, hex(&sha), store)
+            })
+            .collect()
+    }
+
+    /// A lossless tensor's entry from its coded blocks and its whole-tensor digest (of
+    /// `input`'s bytes), or a dense one when the blocks are not smaller. `coding` is the
+    /// lossless storage's rows a block, coder and row index.
+    fn lossless_prepared<'a>(
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        input: Input<'a>,
+        (block_rows, coder, row_index): (usize, Coder, bool),
+        sha: String,
+        store: compressme_blockstore::Result<BlockStore>,
+    ) -> Result<Prepared<'a>> {
+        let bytes = input.as_slice();
+        let store = store.map_err(|source| Error::Blocks {
+            tensor: name.into(),
+            source,
+        })?;
+        let index = store.index_bytes();
+        let blob_len = index.len() + store.payload().len();
+        if blob_len >= bytes.len() {
+            return Ok(Self::prepare_dense(name, dtype, shape, input, true));
+        }
+        let index_sha = hex(&store.index_digest());
+        Ok(Prepared {
+            parts: vec![(
+                Planned {
+                    name: blocks_name(name),
+                    dtype: Dtype::U8,
+                    shape: vec![blob_len],
+                    len: blob_len as u64,
+                },
+                Part::Store(index, Box::new(store)),
+            )],
+            tensor: TensorRecipe {
+                name: name.into(),
+                dtype: dtype.name().into(),
+                shape: shape.to_vec(),
+                sha256: Some(sha),
+                storage: lossless_recipe(dtype, shape, block_rows, coder, row_index, index_sha),
+            },
+            added: Added {
+                name: name.into(),
+                storage: "lossless".into(),
+                dense_bytes: bytes.len() as u64,
+                stored_bytes: blob_len as u64,
+                kept_dense: false,
+            },
+        })
     }
 
     fn prepare_dense<'a>(

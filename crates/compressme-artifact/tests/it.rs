@@ -1665,3 +1665,98 @@ fn tensors_read_side_by_side_give_the_same_bytes_on_any_thread_count() {
     }
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// `Writer::prepare_many` (whole-tensor digests in lockstep) gives each tensor what
+/// `Writer::prepare` gives it alone: the same file byte for byte, the same errors in the
+/// same places, dense entries where blocks do not pay or a tensor is empty, and tensors of
+/// unequal lengths (the lockstep runs past the shortest).
+#[test]
+fn preparing_many_lossless_tensors_gives_what_one_by_one_gives() {
+    let d = tmp("prepare-many");
+    let mut noise = 0x9e37_79b9_7f4a_7c15u64;
+    let random: Vec<u8> = (0..32 * 16 * 4)
+        .map(|_| {
+            noise ^= noise << 13;
+            noise ^= noise >> 7;
+            noise ^= noise << 17;
+            noise as u8
+        })
+        .collect();
+    let tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = vec![
+        ("a".into(), Dtype::F32, vec![64, 32], weights(64 * 32, 1)),
+        (
+            "b".into(),
+            Dtype::Bf16,
+            vec![16, 8],
+            bf16(&weights(16 * 8, 3)),
+        ),
+        ("c".into(), Dtype::F32, vec![0, 4], Vec::new()),
+        ("d".into(), Dtype::F32, vec![32, 16], random),
+        ("e".into(), Dtype::F32, vec![3, 3], vec![0u8; 8]),
+        ("cm.x".into(), Dtype::F32, vec![4, 4], weights(16, 2)),
+        ("f".into(), Dtype::F32, vec![50, 24], weights(50 * 24, 5)),
+        ("g".into(), Dtype::F32, vec![40, 256], weights(40 * 256, 7)),
+    ];
+    for storage in [
+        Storage::Lossless {
+            block_rows: 8,
+            coder: Coder::default(),
+            row_index: false,
+        },
+        Storage::Dense,
+    ] {
+        let mut files = Vec::new();
+        let mut errors = Vec::new();
+        for many in [false, true] {
+            let path = d.join(format!("many-{many}.cma"));
+            let results: Vec<_> = if many {
+                let input: Vec<_> = tensors
+                    .iter()
+                    .map(|(n, dt, s, b)| {
+                        (
+                            n.clone(),
+                            *dt,
+                            s.clone(),
+                            compressme_artifact::Input::Borrowed(b),
+                        )
+                    })
+                    .collect();
+                Writer::prepare_many(input, &storage)
+            } else {
+                tensors
+                    .iter()
+                    .map(|(n, dt, s, b)| {
+                        let input = compressme_artifact::Input::Borrowed(b);
+                        Writer::prepare(n, *dt, s, input, &storage)
+                    })
+                    .collect()
+            };
+            assert_eq!(results.len(), tensors.len());
+            let mut w = Writer::create(&path).unwrap();
+            let mut errs = Vec::new();
+            let mut kinds = Vec::new();
+            for r in results {
+                match r {
+                    Ok(p) => kinds.push(w.commit(p).unwrap().storage),
+                    Err(e) => errs.push(e.to_string()),
+                }
+            }
+            w.finish().unwrap();
+            Artifact::open(&path, &Limits::default())
+                .unwrap()
+                .verify()
+                .unwrap();
+            if matches!(storage, Storage::Lossless { .. }) {
+                // the sample covers each way: coded, kept dense, refused
+                assert!(kinds.iter().any(|k| k == "lossless"), "{kinds:?}");
+                assert!(kinds.iter().any(|k| k == "dense"), "{kinds:?}");
+            }
+            files.push(std::fs::read(&path).unwrap());
+            errors.push(errs);
+        }
+        assert_eq!(errors[0].len(), 2, "{:?}", errors[0]);
+        assert_eq!(errors[0], errors[1]);
+        assert!(files[0] == files[1], "{storage:?}");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

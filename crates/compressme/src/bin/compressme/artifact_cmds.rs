@@ -155,6 +155,35 @@ fn dense_len(dtype: Dtype, shape: &[usize]) -> u64 {
     shape.iter().product::<usize>() as u64 * dtype.size() as u64
 }
 
+/// `pack`'s items in the pipeline's units: runs of up to four consecutive lossless
+/// tensors with the same storage, not prepared ahead and together at most `budget` bytes
+/// (so the pipeline's memory bound holds), and every other item alone.
+fn lockstep_groups(items: Vec<Item>, budget: u64) -> Vec<Vec<Item>> {
+    let mut groups: Vec<Vec<Item>> = Vec::new();
+    let mut weight = 0u64;
+    for item in items {
+        let joins = matches!(item.3, Storage::Lossless { .. }) && item.5.is_none();
+        let w = dense_len(item.1, &item.2);
+        let fits = groups.last().is_some_and(|g| {
+            g.len() < 4
+                && weight.saturating_add(w) <= budget
+                && g.first().is_some_and(|f| {
+                    f.3 == item.3 && f.5.is_none() && matches!(f.3, Storage::Lossless { .. })
+                })
+        });
+        if joins && fits {
+            weight = weight.saturating_add(w);
+            if let Some(g) = groups.last_mut() {
+                g.push(item);
+            }
+        } else {
+            weight = w;
+            groups.push(vec![item]);
+        }
+    }
+    groups
+}
+
 /// A decoder's tensors (every linear `[out, in]`, f32), the metadata that lets the
 /// artifact run alone, and its modules' shapes for plan validation.
 type ModelInput = (
@@ -421,16 +450,20 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     w.reserve_header(room)?;
     drop(plan);
     let keep_unrepresentable = a.keep_unrepresentable;
-    let work =
+    let bytes_of =
+        |name: &str, held: Option<Vec<u8>>| -> compressme::artifact::Result<SharedBytes> {
+            match (held, ckpt) {
+                (Some(v), _) => Ok(Arc::new(v)),
+                (None, Some(c)) => Ok(Arc::new(c.map(name)?)),
+                (None, None) => Err(compressme::artifact::Error::MissingTensor(name.into())),
+            }
+        };
+    let one =
         |(name, dtype, shape, storage, held, ready): Item| -> compressme::artifact::Result<_> {
             if let Some(p) = ready {
                 return Ok((p, None));
             }
-            let bytes: SharedBytes = match (held, ckpt) {
-                (Some(v), _) => Arc::new(v),
-                (None, Some(c)) => Arc::new(c.map(&name)?),
-                (None, None) => return Err(compressme::artifact::Error::MissingTensor(name)),
-            };
+            let bytes = bytes_of(&name, held)?;
             let input = WriteInput::Shared(bytes.clone());
             match Writer::prepare(&name, dtype, &shape, input, &storage) {
                 Err(compressme::artifact::Error::Quant {
@@ -449,7 +482,24 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                 r => r.map(|p| (p, None)),
             }
         };
-    let sink = |(p, note): (compressme::artifact::Prepared<'static>, Option<String>)| {
+    // lossless tensors go up to four at a time, so that their whole-tensor digests run
+    // in lockstep (`Writer::prepare_many`); anything else alone
+    let work = |group: Vec<Item>| -> compressme::artifact::Result<Vec<_>> {
+        if group.len() < 2 {
+            return group.into_iter().map(one).collect();
+        }
+        let storage = group.first().map(|i| i.3.clone()).unwrap_or(Storage::Dense);
+        let mut tensors = Vec::with_capacity(group.len());
+        for (name, dtype, shape, _, held, _) in group {
+            let bytes = bytes_of(&name, held)?;
+            tensors.push((name, dtype, shape, WriteInput::Shared(bytes)));
+        }
+        Writer::prepare_many(tensors, &storage)
+            .into_iter()
+            .map(|r| r.map(|p| (p, None)))
+            .collect()
+    };
+    let mut sink_one = |(p, note): (compressme::artifact::Prepared<'static>, Option<String>)| {
         let added = w.commit(p)?;
         let name = &added.name;
         pb.set_message(name.clone());
@@ -471,9 +521,12 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
         report.push(added);
         Ok(())
     };
-    let weight = |(_, dtype, shape, _, _, _): &Item| dense_len(*dtype, shape);
+    let sink = |prepared: Vec<_>| prepared.into_iter().try_for_each(&mut sink_one);
+    let item_weight = |(_, dtype, shape, _, _, _): &Item| dense_len(*dtype, shape);
+    let weight = |g: &Vec<Item>| g.iter().map(item_weight).sum::<u64>();
     let budget = largest.max(64 << 20);
-    if let Err(e) = compressme::artifact::pipeline::ordered(items, weight, budget, work, sink) {
+    let groups = lockstep_groups(items, budget);
+    if let Err(e) = compressme::artifact::pipeline::ordered(groups, weight, budget, work, sink) {
         if let compressme::artifact::Error::Quant {
             tensor,
             source: q @ compressme::quant::Error::Unrepresentable { .. },
