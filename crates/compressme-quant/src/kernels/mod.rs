@@ -1748,7 +1748,9 @@ mod tests {
         let rows = 5;
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for format in [Format::Int8, Format::Int8Block(crate::GroupSize::G64)] {
-            for cols in [16, 48, 64, 80, 1024, 1040, 2112] {
+            // short rows (the next rows prefetched a line a step) and long ones (past
+            // `avx2::NEAR_AHEAD`: the far hints), whole vectors and a masked last one
+            for cols in [16, 48, 64, 80, 1024, 1040, 2112, 4128] {
                 let w: Vec<f32> = (0..rows * cols)
                     .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
                     .collect();
