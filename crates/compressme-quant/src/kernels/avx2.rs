@@ -443,14 +443,16 @@ pub(super) fn following<const M: usize>(rows: &[&[u8]; M]) -> *const i8 {
 /// it, 3.3-4.0 without).
 pub(super) const NEAR_AHEAD: usize = 8 << 10;
 
-/// How far ahead in its own row an 8-bit rows kernel prefetches a row too long for
-/// [`NEAR_AHEAD`] (into L2, a cache line for each 64 bytes read), besides the start of
+/// How far ahead in its own row an 8-bit or F16/BF16 rows kernel prefetches a row too long
+/// for [`NEAR_AHEAD`] (into L2, a cache line for each 64 bytes read), besides the start of
 /// each next row ([`start_of_next`]). The hardware's stream prefetch stops at the end of
 /// a 4 KiB page and starts again only after misses in the next one; a row of 4,096 or more
 /// 8-bit codes is a page or more, four rows a call four streams. INT8 per row, batch 1, one
 /// thread on AMD Zen 4, best of 60, AVX2 code without and with these hints: 4096 x 11008
 /// from memory 2.35-2.37 ms against 1.55-1.58, 11008 x 4096 2.25-2.29 against 1.91-1.92,
 /// 4096 x 16384 3.12-3.16 against 2.21-2.22, 4096 x 4096 from L3 0.41 against 0.39-0.41.
+/// F16 at batch 1, four rows a call (`half_quads`), 4096 x 4096 (33.5 MB, from memory):
+/// 2.0-2.3 ms without, 1.2-1.4 with; at batch 2 on the AVX2 tier 3.2 against 1.9.
 /// (The AVX-512 split kernel at 4096 x 16384: 2.24 ms at 3 KiB, 2.31-2.33 at 1.5, 2 and
 /// 4 KiB.)
 pub(super) const FAR_AHEAD: usize = 3 << 10;
@@ -805,8 +807,15 @@ unsafe fn dot_half_rows_imp<const R: usize, const N: usize>(
     body: usize,
 ) -> [[f32; N]; R] {
     let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let far = R * 2 * body > NEAR_AHEAD;
+    if far {
+        start_of_next(&codes);
+    }
     let mut j = 0;
     while j < body {
+        if far && j.is_multiple_of(32) {
+            far_ahead(&codes, 2 * j);
+        }
         let mut wv = [_mm256_setzero_ps(); R];
         for (w, c) in wv.iter_mut().zip(&codes) {
             // SAFETY: j + 8 <= body: bytes 2j..2j+16 of the row are in range

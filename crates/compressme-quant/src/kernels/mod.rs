@@ -1332,6 +1332,9 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
         (Isa::Avx512(t), true) => return half_tiles(t, x, batch, w, yt),
         (Isa::Avx2(t), true) => return half_pairs(t, x, batch, w, yt),
         (Isa::AvxVnni(t), true) => return half_pairs(t.avx2(), x, batch, w, yt),
+        (Isa::Avx512(t), false) => return half_quads(t.avx2(), x, w, yt),
+        (Isa::Avx2(t), false) => return half_quads(t, x, w, yt),
+        (Isa::AvxVnni(t), false) => return half_quads(t.avx2(), x, w, yt),
         _ => {}
     }
     run_tasks(
@@ -1437,6 +1440,53 @@ fn half_pairs(t: avx2::Token, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32
                     }
                 }
             });
+        },
+    );
+}
+
+/// [`half_rows`] at batch 1 on the SIMD tiers: four weight rows a call, so four `fma`
+/// chains run side by side where one row's single chain waits on each `fma`'s latency
+/// (the chains are the rows' own, so the same bits as one row at a time: each row's head
+/// over the first `cols / 8 * 8` columns, then [`avx2::dot_half`]'s portable tail added).
+/// The rows that do not make a whole four at a task's end go one at a time.
+#[cfg(target_arch = "x86_64")]
+fn half_quads(t: avx2::Token, x: &[f32], w: &Packed, y: &mut [f32]) {
+    let cols = w.cols();
+    let bf16 = matches!(w.format(), Format::Bf16);
+    let rb = w.format().row_code_bytes(cols);
+    let body = cols / 8 * 8;
+    let codes_of = |r: usize| w.codes().get(r * rb..(r + 1) * rb).unwrap_or(&[]);
+    let narrow = Isa::Avx2(t);
+    let x_tail = x.get(body..).unwrap_or(&[]);
+    run_tasks(
+        y,
+        ROWS_PER_TASK,
+        w.rows() * cols,
+        || (),
+        |(), (task, out)| {
+            let r0 = task * ROWS_PER_TASK;
+            for (i, quad) in out.chunks_mut(4).enumerate() {
+                let r = r0 + 4 * i;
+                let codes = [0, 1, 2, 3].map(|k| codes_of(r + k));
+                let heads = match quad.len() {
+                    4 => avx2::dot_half_rows(t, codes, bf16, [x], body),
+                    _ => None,
+                };
+                for (k, o) in quad.iter_mut().enumerate() {
+                    *o = match heads {
+                        // dot_half's own order: the head, then the tail added
+                        Some(h) => {
+                            let tail = codes[k].get(2 * body..).unwrap_or(&[]);
+                            let [v] = portable::dot_half(tail, bf16, [x_tail]);
+                            h[k][0] + v
+                        }
+                        None => {
+                            let [v] = narrow.dot_half(codes[k], bf16, [x]);
+                            v
+                        }
+                    };
+                }
+            }
         },
     );
 }
@@ -1767,6 +1817,53 @@ mod tests {
                 avx512::dot_rows(t, &view, 0, fx.row(0), Some(&sx), &mut got);
                 assert_eq!(bits(&got), bits(&want), "{format:?}, {cols} columns");
                 assert!(want.iter().all(|v| *v != 0.0), "{format:?}, {cols} columns");
+            }
+        }
+    }
+
+    /// F16 and BF16 at batch 1, four rows a call (`half_quads`), give each row's bits from
+    /// the one-row kernel: row counts that leave a part four at a task's end, columns with
+    /// and without a tail past the last 8, and rows long enough for the far prefetch hints.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn half_rows_four_at_a_time_give_one_row_at_a_time_bits() {
+        let Some(t) = avx2::Token::detect() else {
+            eprintln!("skipped: half_rows_four_at_a_time_give_one_row_at_a_time_bits (no AVX2)");
+            return;
+        };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for format in [Format::F16, Format::Bf16] {
+            for (rows, cols) in [
+                (1, 5),
+                (5, 8),
+                (7, 13),
+                (18, 37),
+                (33, 64),
+                (21, 1031),
+                (9, 4100),
+            ] {
+                let w: Vec<f32> = (0..rows * cols)
+                    .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
+                    .collect();
+                let q = crate::quantize(&w, rows, cols, format).unwrap();
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| ((i * 104_729 % 2001) as f32) / 500.0 - 2.0)
+                    .collect();
+                let rb = format.row_code_bytes(cols);
+                let bf16 = format == Format::Bf16;
+                let want: Vec<f32> = q
+                    .codes()
+                    .chunks_exact(rb)
+                    .map(|row| avx2::dot_half(t, row, bf16, [&x[..]])[0])
+                    .collect();
+                for tier in [Tier::Avx2, Tier::best()] {
+                    let got = crate::matmul_with(Backend::Tier(tier), &x, 1, &q).unwrap();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{format:?}, {rows} x {cols}, {tier}"
+                    );
+                }
             }
         }
     }
