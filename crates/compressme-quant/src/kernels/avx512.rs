@@ -180,7 +180,11 @@ pub(super) fn amd_family() -> Option<u32> {
 /// 4). There the 8-bit batch-1 kernel ([`byte_rows_imp`]) is slower than the AVX2 code
 /// (4096 x 4096 INT8 per row, one thread, best of 300, two runs: 0.460 and 0.464 ms
 /// against 0.417 and 0.416 with the AVX2 code, the same bits), where on Zen 5, whose
-/// vector units are 512 bits wide, it is faster.
+/// vector units are 512 bits wide, it is faster. (Measured again after its loop took
+/// whole vectors unmasked and the long rows' hints, stop 51, the two in one process, best
+/// of 60 or 300: faster at 4096 x 4096, 0.35-0.43 against 0.38-0.49 ms, and at 11008 x
+/// 4096, 1.89-1.93 against 2.11-2.14, but slower at 4096 x 11008, 1.90-1.94 against
+/// 1.69-1.72, and level at 2048 x 2048 and 8192 x 8192: still off here.)
 pub(super) fn double_pumped() -> bool {
     amd_family() == Some(25)
 }
@@ -217,6 +221,33 @@ unsafe fn byte_rows_imp<const M: usize>(
     scales: [RowScales<'_>; M],
 ) -> [f32; M] {
     let len = codes.iter().map(|r| r.len()).min().unwrap_or(0);
+    // SAFETY: the caller's guarantees, passed on
+    unsafe {
+        if M * len <= avx2::NEAR_AHEAD {
+            byte_rows_loop::<M, false>(codes, sx, group, scales)
+        } else {
+            avx2::start_of_next(&codes);
+            byte_rows_loop::<M, true>(codes, sx, group, scales)
+        }
+    }
+}
+
+/// [`byte_rows_imp`]'s loop, a group at a time: its whole vectors with plain loads, then
+/// the row's partial last vector (if the group holds it) with a masked one, then the
+/// group's flush. `FAR`: long rows' prefetch hints ([`avx2::FAR_AHEAD`]), else the next
+/// rows a line a step.
+///
+/// # Safety
+/// As for [`byte_rows_imp`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
+#[inline]
+unsafe fn byte_rows_loop<const M: usize, const FAR: bool>(
+    codes: [&[u8]; M],
+    sx: &SplitX,
+    group: usize,
+    scales: [RowScales<'_>; M],
+) -> [f32; M] {
+    let len = codes.iter().map(|r| r.len()).min().unwrap_or(0);
     let groups = scales.iter().map(|s| s.len()).min().unwrap_or(0);
     let (vectors, per_group) = (len.div_ceil(64), (group / 64).max(1));
     let whole = len / 64;
@@ -225,23 +256,17 @@ unsafe fn byte_rows_imp<const M: usize>(
     let bias = _mm512_set1_epi8(i8::MIN);
     let zero = _mm512_setzero_si512();
     let next = following(&codes);
-    let short = M * len <= avx2::NEAR_AHEAD;
     let mut f = [_mm256_setzero_ps(); M];
     let (mut l, mut h) = ([zero; M], [zero; M]);
-    let (mut g, mut in_group) = (0, 0);
-    for v in 0..vectors {
-        if short {
-            // short rows: the next rows' codes, as many bytes as these rows' step reads
+    // vector `v` of every row into the sums `l`, `h`: whole (`None`), or the bytes `mask`
+    // selects
+    let step = |v: usize, mask: Option<u64>, l: &mut [__m512i; M], h: &mut [__m512i; M]| {
+        if FAR {
+            avx2::far_ahead(&codes, 64 * v);
+        } else {
             for k in 0..M {
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(M * 64 * v + 64 * k));
             }
-        } else {
-            // long rows: the start of each next row (the hardware's stream does not cross
-            // into a new page), and each row's own bytes `FAR_AHEAD` on, into L2
-            if v == 0 {
-                avx2::start_of_next(&codes);
-            }
-            avx2::far_ahead(&codes, 64 * v);
         }
         // SAFETY: bytes 64v..64v + 64 of `xl` and `xh` are in range (caller: `sx` covers
         // the row)
@@ -252,26 +277,35 @@ unsafe fn byte_rows_imp<const M: usize>(
             )
         };
         for ((lm, hm), r) in l.iter_mut().zip(h.iter_mut()).zip(&codes) {
-            let c = if v < whole {
-                // SAFETY: 64v + 64 <= len, every row's length
-                unsafe { _mm512_loadu_si512(r.as_ptr().add(64 * v).cast()) }
-            } else {
-                let mask = (1u64 << (len - 64 * v)) - 1;
-                // SAFETY: the selected bytes, 64v..len, are within the row (the rest are
-                // not read; as 128 they meet zeros in `x`)
-                unsafe { _mm512_maskz_loadu_epi8(mask, r.as_ptr().add(64 * v).cast()) }
+            let at = r.as_ptr().wrapping_add(64 * v);
+            let c = match mask {
+                // SAFETY: (callers) 64v + 64 <= len, every row's length
+                None => unsafe { _mm512_loadu_si512(at.cast()) },
+                // SAFETY: (callers) the selected bytes are within the row
+                Some(m) => unsafe { _mm512_maskz_loadu_epi8(m, at.cast()) },
             };
             let u = _mm512_xor_si512(_mm512_permutexvar_epi8(order, c), bias);
             *lm = _mm512_dpbusd_epi32(*lm, u, xl);
             *hm = _mm512_dpbusd_epi32(*hm, u, xh);
         }
-        in_group += 1;
-        if in_group < per_group && v + 1 < vectors {
-            continue;
+    };
+    let (mut v, mut g) = (0, 0);
+    while v < vectors {
+        let end = (v + per_group).min(vectors);
+        while v < end.min(whole) {
+            // 64v + 64 <= whole * 64 <= len
+            step(v, None, &mut l, &mut h);
+            v += 1;
+        }
+        if v < end {
+            // the partial last vector: the selected bytes, 64v..len, are within the row
+            // (the rest are not read; as 128 they meet zeros in `x`)
+            step(v, Some((1u64 << (len - 64 * v)) - 1), &mut l, &mut h);
+            v += 1;
         }
         // SAFETY: a group the rows reach, which `sx` covers (caller)
         unsafe { flush_split_group(&mut f, &mut l, &mut h, sx, g, groups, &scales) };
-        (g, in_group) = (g + 1, 0);
+        g += 1;
     }
     f.map(|v| hsum(v))
 }
