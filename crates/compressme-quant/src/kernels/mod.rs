@@ -1801,13 +1801,7 @@ mod tests {
             // short rows (the next rows prefetched a line a step) and long ones (past
             // `avx2::NEAR_AHEAD`: the far hints), whole vectors and a masked last one
             for cols in [16, 48, 64, 80, 1024, 1040, 2112, 4128] {
-                let w: Vec<f32> = (0..rows * cols)
-                    .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
-                    .collect();
-                let q = crate::quantize(&w, rows, cols, format).unwrap();
-                let x: Vec<f32> = (0..cols)
-                    .map(|i| ((i * 104_729 % 2001) as f32) / 500.0 - 2.0)
-                    .collect();
+                let (q, x) = spread_matrix(rows, cols, format);
                 let fx = FixedX::new(Isa::Portable, &x, 1, cols, false).unwrap();
                 let view = RowsView::new(&q, fx.kp);
                 let sx = split::SplitX::new_bytes(fx.row(0), view.group);
@@ -1819,6 +1813,18 @@ mod tests {
                 assert!(want.iter().all(|v| *v != 0.0), "{format:?}, {cols} columns");
             }
         }
+    }
+
+    /// A `rows x cols` matrix in `format` and one `x` row, both spread over `[-1, 1)` and
+    /// `[-2, 2)` by fixed strides (no two neighbours alike).
+    fn spread_matrix(rows: usize, cols: usize, format: Format) -> (Packed, Vec<f32>) {
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
+            .collect();
+        let x = (0..cols)
+            .map(|i| ((i * 104_729 % 2001) as f32) / 500.0 - 2.0)
+            .collect();
+        (crate::quantize(&w, rows, cols, format).unwrap(), x)
     }
 
     /// F16 and BF16 at batch 1, four rows a call (`half_quads`), give each row's bits from
@@ -1842,13 +1848,7 @@ mod tests {
                 (21, 1031),
                 (9, 4100),
             ] {
-                let w: Vec<f32> = (0..rows * cols)
-                    .map(|i| ((i * 7919 % 2001) as f32) / 1000.0 - 1.0)
-                    .collect();
-                let q = crate::quantize(&w, rows, cols, format).unwrap();
-                let x: Vec<f32> = (0..cols)
-                    .map(|i| ((i * 104_729 % 2001) as f32) / 500.0 - 2.0)
-                    .collect();
+                let (q, x) = spread_matrix(rows, cols, format);
                 let rb = format.row_code_bytes(cols);
                 let bf16 = format == Format::Bf16;
                 let want: Vec<f32> = q

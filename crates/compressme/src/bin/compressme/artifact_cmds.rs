@@ -167,9 +167,8 @@ fn lockstep_groups(items: Vec<Item>, budget: u64) -> Vec<Vec<Item>> {
         let fits = groups.last().is_some_and(|g| {
             g.len() < 4
                 && weight.saturating_add(w) <= budget
-                && g.first().is_some_and(|f| {
-                    f.3 == item.3 && f.5.is_none() && matches!(f.3, Storage::Lossless { .. })
-                })
+                // the group's first item lossless too: its storage equals this one's
+                && g.first().is_some_and(|f| f.3 == item.3 && f.5.is_none())
         });
         if joins && fits {
             weight = weight.saturating_add(w);
