@@ -586,8 +586,16 @@ unsafe fn half_tile_imp<const R: usize, const P: usize, const BF16: bool>(
     body: usize,
 ) -> [[[f32; 2]; P]; R] {
     let mut acc = [[_mm512_setzero_ps(); P]; R];
+    // long rows: the 8-bit kernels' hints ([`avx2::FAR_AHEAD`])
+    let far = R * 2 * body > avx2::NEAR_AHEAD;
+    if far {
+        avx2::start_of_next(&codes);
+    }
     let mut j = 0;
     while j < body {
+        if far && j.is_multiple_of(32) {
+            avx2::far_ahead(&codes, 2 * j);
+        }
         let mut wv = [_mm512_setzero_ps(); R];
         for (w, c) in wv.iter_mut().zip(&codes) {
             // SAFETY: bytes 2j..2j + 16 are in range (caller); the eight values, twice
