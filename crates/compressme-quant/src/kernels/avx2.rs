@@ -816,6 +816,7 @@ unsafe fn dot_half_rows_imp<const R: usize, const N: usize>(
     body: usize,
 ) -> [[f32; N]; R] {
     let mut acc = [[_mm256_setzero_ps(); N]; R];
+    // long rows: the 8-bit kernels' hints (short ones are left to the hardware's stream)
     let far = R * 2 * body > NEAR_AHEAD;
     if far {
         start_of_next(&codes);
