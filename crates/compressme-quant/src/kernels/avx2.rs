@@ -379,10 +379,7 @@ unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
     // the following rows, prefetched only while the call's rows are short (`NEAR_AHEAD`)
     let ahead = (M * kp <= NEAR_AHEAD).then(|| following(&w));
     // long rows: the start of each next row, and each row's own bytes `FAR_AHEAD` on
-    let far = ahead.is_none();
-    if far {
-        start_of_next(&w);
-    }
+    let far = long_rows(&w, kp);
     let mut f = [_mm256_setzero_ps(); M];
     let mut start = 0;
     for g in 0..groups {
@@ -398,7 +395,7 @@ unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
                 if let Some(ahead) = ahead {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * c));
                 }
-                if far && c.is_multiple_of(64) {
+                if far {
                     far_ahead(&w, c);
                 }
                 // SAFETY: c + 16 <= end <= kp, every row's and x's length
@@ -410,7 +407,7 @@ unsafe fn dot_groups_rows_imp<const M: usize, const G: usize>(
                 if let Some(ahead) = ahead {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * c));
                 }
-                if far && c.is_multiple_of(64) {
+                if far {
                     far_ahead(&w, c);
                 }
                 // SAFETY: c + 16 <= end <= kp (all multiples of 16)
@@ -445,7 +442,7 @@ pub(super) const NEAR_AHEAD: usize = 8 << 10;
 
 /// How far ahead in its own row an 8-bit or F16/BF16 rows kernel prefetches a row too long
 /// for [`NEAR_AHEAD`] (into L2, a cache line for each 64 bytes read), besides the start of
-/// each next row ([`start_of_next`]). The hardware's stream prefetch stops at the end of
+/// each next row ([`long_rows`]). The hardware's stream prefetch stops at the end of
 /// a 4 KiB page and starts again only after misses in the next one; a row of 4,096 or more
 /// 8-bit codes is a page or more, four rows a call four streams. INT8 per row, batch 1, one
 /// thread on AMD Zen 4, best of 60, AVX2 code without and with these hints: 4096 x 11008
@@ -466,27 +463,41 @@ pub(super) fn prefetch_l2(bytes: &[u8]) {
     }
 }
 
-/// Prefetches the first two cache lines of each of the `M` rows after `rows` (into L1), so
-/// a long row's first page does not wait for the hardware's stream to start.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-pub(super) fn start_of_next<const M: usize>(rows: &[&[u8]; M]) {
-    let next = following(rows);
-    let len = rows.iter().map(|r| r.len()).min().unwrap_or(0);
-    for k in 0..M {
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(len * k));
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(len * k + 64));
-    }
+/// Whether a row of `row_bytes` is long for the kernels that read four rows a call: the
+/// four together past [`NEAR_AHEAD`].
+pub(super) const fn long_row(row_bytes: usize) -> bool {
+    4 * row_bytes > NEAR_AHEAD
 }
 
-/// Prefetches byte `at + FAR_AHEAD` of each row (into L2): the [`FAR_AHEAD`] hint for the
-/// 64 bytes of each row read from `at`. A prefetch never faults, so the address may lie
-/// past a row's end.
+/// Whether `rows`, `bytes` read from each, are past [`NEAR_AHEAD`] together, and if so
+/// prefetches the first two cache lines of each of the `M` rows after them (into L1), so a
+/// long row's first page does not wait for the hardware's stream to start: the kernel then
+/// calls [`far_ahead`] as it reads.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(super) fn long_rows<const M: usize>(rows: &[&[u8]; M], bytes: usize) -> bool {
+    let long = M * bytes > NEAR_AHEAD;
+    if long {
+        let next = following(rows);
+        let len = rows.iter().map(|r| r.len()).min().unwrap_or(0);
+        for k in 0..M {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(len * k));
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(len * k + 64));
+        }
+    }
+    long
+}
+
+/// The [`FAR_AHEAD`] hint for the bytes of each row read from `at`: byte `at + FAR_AHEAD`
+/// of each row into L2, once a 64 bytes (only where `at` is a multiple of 64). A prefetch
+/// never faults, so the address may lie past a row's end.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 pub(super) fn far_ahead<const M: usize>(rows: &[&[u8]; M], at: usize) {
-    for r in rows {
-        _mm_prefetch::<_MM_HINT_T1>(r.as_ptr().wrapping_add(at + FAR_AHEAD).cast());
+    if at.is_multiple_of(64) {
+        for r in rows {
+            _mm_prefetch::<_MM_HINT_T1>(r.as_ptr().wrapping_add(at + FAR_AHEAD).cast());
+        }
     }
 }
 
@@ -817,13 +828,10 @@ unsafe fn dot_half_rows_imp<const R: usize, const N: usize>(
 ) -> [[f32; N]; R] {
     let mut acc = [[_mm256_setzero_ps(); N]; R];
     // long rows: the 8-bit kernels' hints (short ones are left to the hardware's stream)
-    let far = R * 2 * body > NEAR_AHEAD;
-    if far {
-        start_of_next(&codes);
-    }
+    let far = long_rows(&codes, 2 * body);
     let mut j = 0;
     while j < body {
-        if far && j.is_multiple_of(32) {
+        if far {
             far_ahead(&codes, 2 * j);
         }
         let mut wv = [_mm256_setzero_ps(); R];

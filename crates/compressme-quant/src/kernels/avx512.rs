@@ -223,11 +223,10 @@ unsafe fn byte_rows_imp<const M: usize>(
     let len = codes.iter().map(|r| r.len()).min().unwrap_or(0);
     // SAFETY: the caller's guarantees, passed on
     unsafe {
-        if M * len <= avx2::NEAR_AHEAD {
-            byte_rows_loop::<M, false>(codes, sx, group, scales)
-        } else {
-            avx2::start_of_next(&codes);
+        if avx2::long_rows(&codes, len) {
             byte_rows_loop::<M, true>(codes, sx, group, scales)
+        } else {
+            byte_rows_loop::<M, false>(codes, sx, group, scales)
         }
     }
 }
@@ -587,13 +586,10 @@ unsafe fn half_tile_imp<const R: usize, const P: usize, const BF16: bool>(
 ) -> [[[f32; 2]; P]; R] {
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     // long rows: the 8-bit kernels' hints ([`avx2::FAR_AHEAD`])
-    let far = R * 2 * body > avx2::NEAR_AHEAD;
-    if far {
-        avx2::start_of_next(&codes);
-    }
+    let far = avx2::long_rows(&codes, 2 * body);
     let mut j = 0;
     while j < body {
-        if far && j.is_multiple_of(32) {
+        if far {
             avx2::far_ahead(&codes, 2 * j);
         }
         let mut wv = [_mm512_setzero_ps(); R];

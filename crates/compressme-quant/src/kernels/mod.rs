@@ -757,7 +757,7 @@ impl IntRow {
         // 1.02-1.09 at batch 2, 1.78-1.79 against 1.70-1.74 at batch 4; short rows keep
         // the hardware's stream alone)
         #[cfg(target_arch = "x86_64")]
-        if 4 * rb > avx2::NEAR_AHEAD {
+        if avx2::long_row(rb) {
             avx2::prefetch_l2(w.codes().get((r + 1) * rb..(r + 2) * rb).unwrap_or(&[]));
         }
         match (w.format(), self.lut) {
@@ -1340,7 +1340,7 @@ fn half_rows(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]) {
     let bf16 = matches!(w.format(), Format::Bf16);
     let rb = w.format().row_code_bytes(cols);
     #[cfg(target_arch = "x86_64")]
-    let quads = 4 * rb > avx2::NEAR_AHEAD;
+    let quads = avx2::long_row(rb);
     #[cfg(target_arch = "x86_64")]
     match (isa, batch >= 2) {
         (Isa::Avx512(t), true) => return half_tiles(t, x, batch, w, yt),
