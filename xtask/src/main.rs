@@ -7,6 +7,8 @@
 //!   without R by `xtask/py/austen.py`) into `cache/austen/`, each checked by SHA-256.
 //! - `test`: fixtures, then every test (`cargo test --workspace`), with the real checkpoint
 //!   required rather than skipped. This is the README's test command and what `.ci/run` runs.
+//! - `spec-check`: `fixtures/artifact/decode.py` (written from docs/FORMAT.md) against artifacts
+//!   the CLI writes and every version's frozen fixtures; the last step of `test`.
 //! - `bench [ARGS]`: the main job, the offline benchmark: `compressme bench ARGS` in
 //!   release (no download). `--seed 42 --steps N --output results/offline.json`, or
 //!   `--replay results/offline.json` to check that a report reproduces.
@@ -101,6 +103,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("fixtures") => fixtures().map(|_| ()),
         Some("test") => test(args.get(1..).unwrap_or(&[])),
+        Some("spec-check") => spec_check(args.get(1..).unwrap_or(&[])),
         Some("bench") => bench(args.get(1..).unwrap_or(&[])),
         Some("bench-real") => bench_real(args.get(1..).unwrap_or(&[])),
         Some("demo") => demo(args.get(1..).unwrap_or(&[])),
@@ -110,7 +113,7 @@ fn main() -> ExitCode {
         Some("tidy") => tidy::check(&root()).map(|()| println!("tidy: ok")),
         Some("fuzz") => fuzz::fuzz(&root(), args.get(1..).unwrap_or(&[])),
         _ => Err(
-            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | demo [ARGS] | bench-lossless | bench-checkpoint [--big] | bigcheckpoint | fuzz [--seconds N] [--targets a,b] | tidy>"
+            "usage: cargo xtask <bench [ARGS] | bench-real [ARGS] | fixtures | test [ARGS] | spec-check | demo [ARGS] | bench-lossless | bench-checkpoint [--big] | bigcheckpoint | fuzz [--seconds N] [--targets a,b] | tidy>"
                 .to_string(),
         ),
     };
@@ -337,16 +340,19 @@ fn test(args: &[String]) -> Result<(), String> {
 }
 
 /// Python packages the format check needs.
-const SPEC_DEPS: [&str; 2] = ["numpy", "zstandard==0.25.0"];
+const SPEC_DEPS: [&str; 3] = ["numpy", "zstandard==0.25.0", "xxhash==3.6.0"];
 
-/// docs/FORMAT.md's promise, checked: `fixtures/artifact/decode.py` (numpy and zstandard
-/// only, written from the document) decodes artifacts the Rust code writes, in every
+/// docs/FORMAT.md's promise, checked: `fixtures/artifact/decode.py` (numpy, zstandard and
+/// xxhash only, written from the document) decodes artifacts the Rust code writes, in every
 /// storage kind, to the same bytes as `compressme unpack`, decodes the frozen samples of
 /// every version and refuses their corrupt variants.
 fn spec_check(args: &[String]) -> Result<(), String> {
     let root = root();
     let deps = root.join("cache/pydeps");
-    if !deps.join("zstandard").exists() || !deps.join("numpy").exists() {
+    if ["zstandard", "numpy", "xxhash"]
+        .iter()
+        .any(|d| !deps.join(d).exists())
+    {
         run(Command::new(python())
             .args([
                 "-m",
@@ -379,9 +385,12 @@ fn spec_check(args: &[String]) -> Result<(), String> {
         }
         run(&mut cmd)
     };
-    let cases: [&[&str]; 9] = [
-        // the default coder: rANS tables where they save 0.5% of a plane
+    let cases: [&[&str]; 10] = [
+        // the default coder: rANS tables where they save 0.5% of a plane; artifact
+        // version 4 (XXH3-128 whole-tensor digests, the source header recorded)
         &["--lossless"],
+        // artifact version 3: SHA-256 whole-tensor digests
+        &["--lossless", "--whole-digest", "sha256"],
         // block store version 1 (Huffman tables only)
         &["--lossless", "--coder", "huffman"],
         // block store version 2 (rANS tables) for every lossless tensor here
@@ -408,7 +417,7 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             .arg("-o")
             .arg(&back))?;
         decode(&art, Some(&back))?;
-        // version 3: a one-file checkpoint packed without quantizing unpacks to itself
+        // versions 3 and 4: a one-file checkpoint packed without quantizing unpacks to itself
         let lossless = !case.contains(&"--format");
         let same = std::fs::read(&back).map_err(|e| e.to_string())?
             == std::fs::read(&tiny).map_err(|e| e.to_string())?;
@@ -430,7 +439,10 @@ fn spec_check(args: &[String]) -> Result<(), String> {
             return Err(format!("decode.py accepted fixtures/artifact/v3/{bad}"));
         }
     }
-    for version in ["v1", "v2"] {
+    // version 4's: one without a source header, one with (version 3's source)
+    let v4 = root.join("fixtures/artifact/v4");
+    decode(&v4.join("source.cma"), Some(&v3.join("source.safetensors")))?;
+    for version in ["v1", "v2", "v4"] {
         let dir = root.join("fixtures/artifact").join(version);
         decode(&dir.join("sample.cma"), None)?;
         // and it refuses what the Rust reader refuses

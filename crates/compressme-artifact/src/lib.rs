@@ -65,7 +65,7 @@ mod write;
 pub use convert::{from_f32, row_view, to_f32, unpack, value_kind};
 pub use error::{Error, Result};
 pub use read::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, Summary};
-pub use recipe::{Recipe, StorageRecipe, TensorRecipe};
+pub use recipe::{Recipe, StorageRecipe, TensorRecipe, WholeDigest};
 pub use source::Checkpoint;
 pub use st::{
     AtomicFile, Dtype, Durability, EXPANSION_FLOOR, Entry, Limits, Mapped, Planned,

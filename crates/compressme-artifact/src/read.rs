@@ -14,7 +14,7 @@ use compressme_blockstore::BlockStore;
 use compressme_quant::{Format, Packed};
 
 use crate::convert::{from_f32, to_f32, value_kind};
-use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, hex, sha256_hex};
+use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, WholeDigest, hex, sha256_hex, xxh3_hex};
 use crate::st::{Dtype, Entry, Limits, Mapped, SafetensorsFile};
 use crate::validate::{
     SourceHeader, blocks_name, check_decoded, codes_name, decoded_bytes, mins_name, payload_names,
@@ -319,10 +319,15 @@ impl Artifact {
         Ok((bytes, exact))
     }
 
-    /// Checks bytes against the recipe's whole-tensor SHA-256 of `name`.
+    /// Checks bytes against the recipe's whole-tensor digest of `name` (XXH3-128 for a
+    /// lossless tensor from version 4 on, SHA-256 otherwise).
     fn check_whole(&self, name: &str, bytes: &[u8]) -> Result<()> {
-        let want = self.tensor(name).and_then(|t| t.sha256.as_deref());
-        if want != Some(sha256_hex(bytes).as_str()) {
+        let t = self.tensor(name);
+        let got = match t.and_then(TensorRecipe::whole_digest) {
+            Some(WholeDigest::Xxh3) => xxh3_hex(bytes),
+            _ => sha256_hex(bytes),
+        };
+        if !t.is_some_and(|t| t.whole_is(&got)) {
             return Err(Error::Digest {
                 tensor: name.into(),
                 what: "whole tensor".into(),
@@ -545,7 +550,7 @@ pub const STREAM_BYTES: usize = 64 << 20;
 /// in cache when it is hashed and written.
 pub const STREAM_PIECE: usize = 4 << 20;
 
-/// Whether `t`'s decoded bytes are sealed by a whole-tensor SHA-256 (dense and lossless
+/// Whether `t`'s decoded bytes are sealed by a whole-tensor digest (dense and lossless
 /// tensors; a quantized one's seal is its payload digest).
 pub(crate) fn has_whole_digest(t: &TensorRecipe) -> bool {
     !matches!(t.storage, StorageRecipe::Quant { .. })

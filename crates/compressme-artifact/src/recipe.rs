@@ -11,10 +11,15 @@ pub const VERSION: u32 = 2;
 /// The version this build writes for an artifact that records its source file's header
 /// ([`Recipe::source_header_sha256`]), so that `unpack` gives back the file byte for byte.
 pub const VERSION_SOURCE_HEADER: u32 = 3;
+/// The version this build writes for an artifact with a lossless tensor whose whole-tensor
+/// digest is XXH3-128 ([`TensorRecipe::xxh3_128`], [`WholeDigest::Xxh3`], the default):
+/// version 2 or 3 otherwise, and the source file's header recorded or not.
+pub const VERSION_XXH3: u32 = 4;
 /// The versions this build reads: 1 (every block digest in the recipe), 2 (the block
-/// store's index digest, which seals them, instead) and 3 (version 2 and the source
-/// file's header).
-pub const READABLE: [u32; 3] = [1, 2, 3];
+/// store's index digest, which seals them, instead), 3 (version 2 and the source
+/// file's header) and 4 (lossless tensors' whole-tensor digest XXH3-128, the source
+/// header optional).
+pub const READABLE: [u32; 4] = [1, 2, 3, 4];
 /// `__metadata__` key holding the recipe JSON.
 pub const RECIPE_KEY: &str = "compressme.recipe";
 /// `__metadata__` key holding the format name.
@@ -71,9 +76,16 @@ pub struct TensorRecipe {
     pub dtype: String,
     /// Its shape.
     pub shape: Vec<usize>,
-    /// SHA-256 of its original bytes (lossless and dense storage; absent when quantized).
+    /// SHA-256 of its original bytes: dense storage, and lossless storage before version
+    /// 4 (absent when quantized).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
+    /// Version 4, lossless storage only: XXH3-128 of its original bytes (32 lowercase hex
+    /// digits, the canonical big-endian form), in place of `sha256`. The stored bytes
+    /// stay sealed by SHA-256 (every block's digest, under the index digest); this one
+    /// checks that decoding gave the original bytes back, at a fraction of SHA-256's cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xxh3_128: Option<String>,
     /// How it is stored.
     pub storage: StorageRecipe,
 }
@@ -124,6 +136,50 @@ pub enum StorageRecipe {
 
 /// Lowercase hex (the block store's encoder).
 pub use compressme_blockstore::hex;
+
+/// The whole-tensor digest a writer records for a lossless tensor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum WholeDigest {
+    /// XXH3-128 (artifact version 4): the stored bytes are sealed by SHA-256 block digests
+    /// already; this checks the decoding, at several times SHA-256's speed.
+    #[default]
+    Xxh3,
+    /// SHA-256 (artifact versions 2 and 3): a cryptographic digest of the original bytes,
+    /// for a recipe that names each tensor by the digest other tools use.
+    Sha256,
+}
+
+impl TensorRecipe {
+    /// Which whole-tensor digest the recipe records for this tensor: `None` for a
+    /// quantized one (its payload digest seals it).
+    #[must_use]
+    pub fn whole_digest(&self) -> Option<WholeDigest> {
+        if self.xxh3_128.is_some() {
+            Some(WholeDigest::Xxh3)
+        } else if self.sha256.is_some() {
+            Some(WholeDigest::Sha256)
+        } else {
+            None
+        }
+    }
+
+    /// Whether `hex` (of the digest [`TensorRecipe::whole_digest`] names) is the one the
+    /// recipe records.
+    pub(crate) fn whole_is(&self, hex: &str) -> bool {
+        let want = match self.whole_digest() {
+            Some(WholeDigest::Xxh3) => self.xxh3_128.as_deref(),
+            Some(WholeDigest::Sha256) => self.sha256.as_deref(),
+            None => None,
+        };
+        want == Some(hex)
+    }
+}
+
+/// XXH3-128 as 32 lowercase hex digits (canonical, big-endian).
+#[must_use]
+pub fn xxh3_hex(bytes: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
+}
 
 /// SHA-256 as lowercase hex.
 #[must_use]

@@ -12,7 +12,7 @@ use compressme_quant::Format;
 use crate::convert::row_view;
 use crate::recipe::{
     FORMAT_KEY, FORMAT_NAME, READABLE, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, SOURCE_HEADER_KEY,
-    StorageRecipe, TensorRecipe, VERSION_KEY, VERSION_SOURCE_HEADER, sha256_hex,
+    StorageRecipe, TensorRecipe, VERSION_KEY, VERSION_SOURCE_HEADER, VERSION_XXH3, sha256_hex,
 };
 use crate::st::{Dtype, EXPANSION_FLOOR, Entry, Limits, SafetensorsFile, parse_header};
 use crate::{Error, Result};
@@ -130,7 +130,7 @@ pub(crate) fn recipe(
     Ok((recipe, source))
 }
 
-/// Version 3's source header: present exactly in version 3, its text's SHA-256 the
+/// The source header: absent before version 3, present in version 3, either in version 4; its text's SHA-256 the
 /// recipe's, parsed strictly for the data section the recipe's tensors decode to, and
 /// naming the recipe's tensors with their dtypes and shapes, each once.
 fn source_header(
@@ -145,7 +145,9 @@ fn source_header(
     };
     let text = file.metadata().get(SOURCE_HEADER_KEY);
     let digest = recipe.source_header_sha256.as_ref();
-    if recipe.version < VERSION_SOURCE_HEADER {
+    // none before version 3, one in version 3, either way in version 4
+    let optional = recipe.version >= VERSION_XXH3 && text.is_none() && digest.is_none();
+    if recipe.version < VERSION_SOURCE_HEADER || optional {
         if text.is_some() || digest.is_some() {
             return Err(bad(format!(
                 "version {} has no source header (`{SOURCE_HEADER_KEY}`, `source_header_sha256`)",
@@ -327,8 +329,10 @@ fn check_tensor(
                     e.shape, t.shape
                 ));
             }
-            if !t.sha256.as_deref().is_some_and(hex_ok) {
-                return Err(format!("tensor `{n}`: dense storage needs a SHA-256"));
+            if !t.sha256.as_deref().is_some_and(hex_ok) || t.xxh3_128.is_some() {
+                return Err(format!(
+                    "tensor `{n}`: dense storage needs a SHA-256 and no xxh3_128"
+                ));
             }
             used.insert(n.clone());
         }
@@ -370,8 +374,18 @@ fn check_tensor(
                     "tensor `{n}`: version {version} needs the block store's index_sha256 and no block_sha256"
                 ));
             }
-            if !t.sha256.as_deref().is_some_and(hex_ok) {
-                return Err(format!("tensor `{n}`: lossless storage needs a SHA-256"));
+            // the whole-tensor digest: XXH3-128 from version 4 on, SHA-256 before
+            let xxh3_ok = |s: &str| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit());
+            if version >= VERSION_XXH3 {
+                if !t.xxh3_128.as_deref().is_some_and(xxh3_ok) || t.sha256.is_some() {
+                    return Err(format!(
+                        "tensor `{n}`: version {version} lossless storage needs an xxh3_128 (32 hex digits) and no sha256"
+                    ));
+                }
+            } else if !t.sha256.as_deref().is_some_and(hex_ok) || t.xxh3_128.is_some() {
+                return Err(format!(
+                    "tensor `{n}`: version {version} lossless storage needs a SHA-256 and no xxh3_128"
+                ));
             }
             // a block store is at most its dense bytes plus per-block overhead
             let es = *element_size as u64;
@@ -396,9 +410,9 @@ fn check_tensor(
             if !hex_ok(payload_sha256) {
                 return Err(format!("tensor `{n}`: no payload SHA-256"));
             }
-            if t.sha256.is_some() {
+            if t.sha256.is_some() || t.xxh3_128.is_some() {
                 return Err(format!(
-                    "tensor `{n}`: a quantized tensor has no whole-tensor sha256 (its payload_sha256 seals it)"
+                    "tensor `{n}`: a quantized tensor has no whole-tensor digest (its payload_sha256 seals it)"
                 ));
             }
             let f = Format::parse(format).map_err(|e| format!("tensor `{n}`: {e}"))?;

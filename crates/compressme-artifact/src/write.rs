@@ -15,7 +15,8 @@ use crate::convert::{row_view, to_f32, value_kind};
 use crate::read::{Artifact, Summary};
 use crate::recipe::{
     FORMAT_KEY, FORMAT_NAME, RECIPE_KEY, RECIPE_SHA_KEY, Recipe, SOURCE_HEADER_KEY, StorageRecipe,
-    TensorRecipe, VERSION, VERSION_KEY, VERSION_SOURCE_HEADER, hex, sha256_hex,
+    TensorRecipe, VERSION, VERSION_KEY, VERSION_SOURCE_HEADER, VERSION_XXH3, WholeDigest, hex,
+    sha256_hex, xxh3_hex,
 };
 use crate::st::{AtomicFile, Dtype, Durability, Limits, Planned, header_bytes};
 use crate::validate::{blocks_name, codes_name, mins_name, scales_name};
@@ -98,6 +99,8 @@ pub enum Storage {
         coder: Coder,
         /// Row-indexed Huffman planes (see [`Writer::add_lossless_indexed`]).
         row_index: bool,
+        /// The whole-tensor digest recorded (XXH3-128 by default: artifact version 4).
+        digest: WholeDigest,
     },
     /// Quantized (2-D or more float tensors).
     Quantized {
@@ -161,6 +164,8 @@ pub struct Writer {
     durability: Durability,
     /// The source file's header text, to be recorded (version 3).
     source_header: Option<String>,
+    /// The whole-tensor digest [`Writer::add_lossless`] records.
+    whole_digest: WholeDigest,
 }
 
 impl Writer {
@@ -180,6 +185,7 @@ impl Writer {
             paranoid: false,
             durability: Durability::default(),
             source_header: None,
+            whole_digest: WholeDigest::default(),
             recipe: Recipe {
                 format: FORMAT_NAME.into(),
                 version: VERSION,
@@ -223,12 +229,23 @@ impl Writer {
             .source_header
             .as_deref()
             .map(|t| sha256_hex(t.as_bytes()));
-        recipe.version = if self.source_header.is_some() {
+        recipe.version = if self.tensors.iter().any(|t| t.xxh3_128.is_some()) {
+            VERSION_XXH3
+        } else if self.source_header.is_some() {
             VERSION_SOURCE_HEADER
         } else {
             VERSION
         };
         recipe
+    }
+
+    /// The whole-tensor digest [`Writer::add_lossless`] and
+    /// [`Writer::add_lossless_indexed`] record (XXH3-128 unless set: artifact version 4;
+    /// SHA-256 writes versions 2 and 3, which compressme read before version 4). Tensors
+    /// prepared elsewhere carry their own ([`Storage::Lossless`]'s `digest`); one
+    /// artifact holds one kind: [`Writer::finish`] refuses a mix.
+    pub fn set_whole_digest(&mut self, digest: WholeDigest) {
+        self.whole_digest = digest;
     }
 
     /// Whether [`Writer::finish`] decodes every block and hashes every tensor again after
@@ -317,7 +334,9 @@ impl Writer {
                     block_rows,
                     coder,
                     row_index,
+                    ..
                 } => {
+                    // a bound: a SHA-256 is longer than an XXH3-128 under its longer key
                     planned.push(part(blocks_name(name), Dtype::U8));
                     let storage =
                         lossless_recipe(dtype, shape, *block_rows, *coder, *row_index, digest());
@@ -341,6 +360,7 @@ impl Writer {
                 dtype: dtype.name().into(),
                 shape: shape.to_vec(),
                 sha256,
+                xxh3_128: None,
                 storage,
             });
         }
@@ -461,6 +481,7 @@ impl Writer {
             block_rows,
             coder,
             row_index,
+            digest: self.whole_digest,
         };
         let p = Self::prepare(name, dtype, shape, Input::Borrowed(bytes), &storage)?;
         self.commit(p)
@@ -548,6 +569,7 @@ impl Writer {
                 block_rows,
                 coder,
                 row_index,
+                digest,
             } => {
                 let (rows, row_bytes) = row_view(dtype, shape);
                 if bytes.is_empty() {
@@ -555,12 +577,13 @@ impl Writer {
                 }
                 let opts = lossless_options(dtype, *block_rows, *coder, *row_index);
                 // the whole-tensor digest on one core while the blocks are coded
-                let (sha, store) = rayon::join(
-                    || sha256_hex(bytes),
+                let (whole, store) = rayon::join(
+                    || whole_hex(*digest, bytes),
                     || BlockStore::encode(bytes, rows, row_bytes as usize, &opts),
                 );
                 let coding = (*block_rows, *coder, *row_index);
-                Self::lossless_prepared(name, dtype, shape, input, coding, sha, store)
+                let whole = (*digest, whole);
+                Self::lossless_prepared(name, dtype, shape, input, coding, whole, store)
             }
             Storage::Quantized { format, importance } => {
                 if !dtype.is_float() || shape.len() < 2 {
@@ -589,10 +612,10 @@ impl Writer {
     }
 
     /// Prepares several lossless tensors at once: as [`Writer::prepare`] gives each, the
-    /// same bytes and recipe entries, with their whole-tensor SHA-256s taken four at a
-    /// time in lockstep (on another core while the blocks are coded) where one tensor at
-    /// a time runs one chain at the latency of the SHA unit. A `storage` that is not
-    /// lossless prepares each tensor alone. One result a tensor, in order.
+    /// same bytes and recipe entries, with their whole-tensor digests taken on another
+    /// core while the blocks are coded (SHA-256s four at a time in lockstep, where one
+    /// tensor at a time runs one chain at the latency of the SHA unit). A `storage` that
+    /// is not lossless prepares each tensor alone. One result a tensor, in order.
     pub fn prepare_many<'a>(
         tensors: Vec<(String, Dtype, Vec<usize>, Input<'a>)>,
         storage: &Storage,
@@ -601,6 +624,7 @@ impl Writer {
             block_rows,
             coder,
             row_index,
+            digest,
         } = storage
         else {
             return tensors
@@ -628,7 +652,13 @@ impl Writer {
             .map(|((_, _, _, input), _)| input.as_slice())
             .collect();
         let (digests, stores) = rayon::join(
-            || compressme_blockstore::sha256_many(&slices),
+            || match digest {
+                WholeDigest::Sha256 => compressme_blockstore::sha256_many(&slices)
+                    .iter()
+                    .map(|d| hex(d))
+                    .collect(),
+                WholeDigest::Xxh3 => slices.iter().map(|s| xxh3_hex(s)).collect::<Vec<_>>(),
+            },
             || {
                 tensors
                     .iter()
@@ -651,14 +681,15 @@ impl Writer {
                 if !c {
                     return Self::prepare(&name, dtype, &shape, input, storage);
                 }
-                let Some((sha, store)) = done.next() else {
+                let Some((whole, store)) = done.next() else {
                     return Err(Error::Invalid {
                         tensor: name,
                         reason: "no digest for a coded tensor".into(),
                     });
                 };
                 let coding = (block_rows, coder, row_index);
-                Self::lossless_prepared(&name, dtype, &shape, input, coding, hex(&sha), store)
+                let whole = (digest, whole);
+                Self::lossless_prepared(&name, dtype, &shape, input, coding, whole, store)
             })
             .collect()
     }
@@ -672,7 +703,7 @@ impl Writer {
         shape: &[usize],
         input: Input<'a>,
         (block_rows, coder, row_index): (usize, Coder, bool),
-        sha: String,
+        (digest, whole): (WholeDigest, String),
         store: compressme_blockstore::Result<BlockStore>,
     ) -> Result<Prepared<'a>> {
         let bytes = input.as_slice();
@@ -700,7 +731,8 @@ impl Writer {
                 name: name.into(),
                 dtype: dtype.name().into(),
                 shape: shape.to_vec(),
-                sha256: Some(sha),
+                sha256: (digest == WholeDigest::Sha256).then(|| whole.clone()),
+                xxh3_128: (digest == WholeDigest::Xxh3).then_some(whole),
                 storage: lossless_recipe(dtype, shape, block_rows, coder, row_index, index_sha),
             },
             added: Added {
@@ -727,6 +759,7 @@ impl Writer {
             dtype: dtype.name().into(),
             shape: shape.to_vec(),
             sha256: Some(sha256_hex(bytes)),
+            xxh3_128: None,
             storage: StorageRecipe::Dense,
         };
         let planned = Planned {
@@ -812,6 +845,7 @@ impl Writer {
                 dtype: dtype.name().into(),
                 shape: shape.to_vec(),
                 sha256: None,
+                xxh3_128: None,
                 storage: StorageRecipe::Quant {
                     format: format.to_string(),
                     rows,
@@ -839,8 +873,25 @@ impl Writer {
     /// the file into place.
     ///
     /// # Errors
-    /// [`Error::Io`], and any verification failure (the file is then removed).
+    /// [`Error::Io`], [`Error::Invalid`] for lossless tensors prepared with both kinds of
+    /// whole-tensor digest, and any verification failure (the file is then removed).
     pub fn finish(self) -> Result<Summary> {
+        // one whole-tensor digest for the lossless tensors: the version says which
+        let lossless = |t: &&TensorRecipe| matches!(t.storage, StorageRecipe::Lossless { .. });
+        let kinds: HashSet<Option<WholeDigest>> = self
+            .tensors
+            .iter()
+            .filter(lossless)
+            .map(TensorRecipe::whole_digest)
+            .collect();
+        if kinds.len() > 1 {
+            return Err(Error::Invalid {
+                tensor: String::new(),
+                reason: "lossless tensors prepared with both XXH3-128 and SHA-256 whole-tensor \
+                         digests: an artifact holds one kind"
+                    .into(),
+            });
+        }
         let mut recipe = self.recipe_to_write();
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
         order.sort_by(|&a, &b| self.tensors[a].name.cmp(&self.tensors[b].name));
@@ -889,6 +940,14 @@ impl Writer {
         out.set_durability(self.durability);
         out.commit()?;
         Ok(summary)
+    }
+}
+
+/// A tensor's whole-tensor digest of `bytes`, as the recipe records it.
+fn whole_hex(digest: WholeDigest, bytes: &[u8]) -> String {
+    match digest {
+        WholeDigest::Sha256 => sha256_hex(bytes),
+        WholeDigest::Xxh3 => xxh3_hex(bytes),
     }
 }
 

@@ -3,7 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use compressme_artifact::{Artifact, Dtype, Durability, Error, Limits, Storage, Writer, unpack};
+use compressme_artifact::{
+    Artifact, Dtype, Durability, Error, Limits, Storage, WholeDigest, Writer, unpack,
+};
 use compressme_blockstore::Coder;
 use compressme_quant::{Format, GroupSize};
 
@@ -51,6 +53,15 @@ fn header_len(bytes: &[u8]) -> usize {
 /// The artifact the tests share: lossless f32 and bf16 (specials included), a tensor
 /// too small to pack, a quantized matrix, and an i64 tensor kept dense.
 fn write_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    write_sample_with(path, WholeDigest::default())
+}
+
+/// [`write_sample`] with the lossless tensors' whole-tensor digest `digest` (SHA-256:
+/// artifact version 2, as the frozen versions 1 to 3 were written).
+fn write_sample_with(
+    path: &Path,
+    digest: WholeDigest,
+) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
     let mut quant_src: Vec<u8> = weights(48 * 64, 9);
     // quantization refuses non-finite weights: use finite values there
     for c in quant_src.chunks_exact_mut(4) {
@@ -87,6 +98,7 @@ fn write_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
         ),
     ];
     let mut w = Writer::create(path).unwrap();
+    w.set_whole_digest(digest);
     w.recipe_mut()
         .source_metadata
         .insert("format".into(), "pt".into());
@@ -299,12 +311,12 @@ fn fixture_dir(version: u32) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../fixtures/artifact/v{version}"))
 }
 
-/// Writes the sample and its corrupt variants into `dir` (only for the version this build
-/// writes, and only under `COMPRESSME_BLESS=1`).
-fn bless(dir: &Path) {
+/// Writes the sample (its lossless tensors' whole-tensor digests `digest`) and its corrupt
+/// variants into `dir` (only under `COMPRESSME_BLESS=1`, for a folder without them).
+fn bless(dir: &Path, digest: WholeDigest) {
     let sample = dir.join("sample.cma");
     std::fs::create_dir_all(dir).unwrap();
-    write_sample(&sample);
+    write_sample_with(&sample, digest);
     let good = std::fs::read(&sample).unwrap();
     let header_len = header_len(&good);
     let mut b = good.clone();
@@ -315,7 +327,10 @@ fn bless(dir: &Path) {
     b[8 + header_len / 2] ^= 0x01;
     std::fs::write(dir.join("flipped_header.cma"), &b).unwrap();
     std::fs::write(dir.join("truncated.cma"), &good[..good.len() - 1]).unwrap();
-    let version = compressme_artifact::recipe::VERSION;
+    let version = Artifact::open(&sample, &Limits::default())
+        .unwrap()
+        .recipe()
+        .version;
     let text = String::from_utf8_lossy(&good[8..8 + header_len]).replace(
         &format!("\"compressme.version\":\"{version}\""),
         "\"compressme.version\":\"9\"",
@@ -409,7 +424,13 @@ fn check_frozen(version: u32) -> (Artifact, Artifact) {
     let s = a.verify().unwrap();
     assert_eq!((s.tensors, s.lossless, s.quantized, s.dense), (5, 2, 1, 2));
     let fresh = tmp(&format!("fixture-v{version}")).join("fresh.cma");
-    let tensors = write_sample(&fresh);
+    // versions 1 to 3 hold SHA-256 whole-tensor digests, version 4 XXH3-128s
+    let digest = if version >= 4 {
+        WholeDigest::Xxh3
+    } else {
+        WholeDigest::Sha256
+    };
+    let tensors = write_sample_with(&fresh, digest);
     let today = Artifact::open(&fresh, &Limits::default()).unwrap();
     // the block-store format did not change: the same payload tensors (less unused tables)
     same_entries_but_unused_tables(&a, &today);
@@ -484,16 +505,53 @@ fn frozen_v1_fixtures() {
 /// for a new version's folder.
 #[test]
 fn frozen_v2_fixtures() {
-    if std::env::var_os("COMPRESSME_BLESS").is_some() {
-        assert_eq!(
-            compressme_artifact::recipe::VERSION,
-            2,
-            "bless a new folder"
-        );
-        bless(&fixture_dir(2));
+    if std::env::var_os("COMPRESSME_BLESS").is_some() && !fixture_dir(2).join("sample.cma").exists()
+    {
+        bless(&fixture_dir(2), WholeDigest::Sha256);
     }
     let (frozen, today) = check_frozen(2);
     same_recipe_but_unused_tables(&frozen, &today);
+}
+
+/// Version 4 (since 2026-12-06: lossless tensors' whole-tensor digests XXH3-128, the
+/// source header optional) stays readable forever, and today's writer still produces its
+/// recipe. `sample.cma` and its corrupt variants as in version 2; `source.cma`, version
+/// 3's frozen `source.safetensors` packed with its header recorded, unpacks to that file
+/// byte for byte. Written only when missing, under `COMPRESSME_BLESS=1`.
+#[test]
+fn frozen_v4_fixtures() {
+    let dir = fixture_dir(4);
+    let src = fixture_dir(3).join("source.safetensors");
+    if std::env::var_os("COMPRESSME_BLESS").is_some() && !dir.join("sample.cma").exists() {
+        bless(&dir, WholeDigest::Xxh3);
+        pack_recording_header(&src, &dir.join("source.cma"), WholeDigest::Xxh3);
+    }
+    let (frozen, today) = check_frozen(4);
+    same_recipe_but_unused_tables(&frozen, &today);
+    for t in &frozen.recipe().tensors {
+        let lossless = matches!(
+            t.storage,
+            compressme_artifact::StorageRecipe::Lossless { .. }
+        );
+        assert_eq!(t.xxh3_128.is_some(), lossless, "{}", t.name);
+    }
+    assert!(frozen.source_header().is_none());
+    // with the source header recorded
+    let mut a = Artifact::open(&dir.join("source.cma"), &Limits::default()).unwrap();
+    assert_eq!(a.recipe().version, 4);
+    assert!(a.source_header().is_some());
+    let s = a.verify().unwrap();
+    assert_eq!((s.tensors, s.lossless, s.dense), (4, 2, 2));
+    let d = tmp("fixture-v4-source");
+    let back = d.join("back.safetensors");
+    unpack(&mut a, &back, Durability::Cached, |_, _| {}).unwrap();
+    assert!(std::fs::read(&back).unwrap() == std::fs::read(&src).unwrap());
+    let fresh = d.join("fresh.cma");
+    pack_recording_header(&src, &fresh, WholeDigest::Xxh3);
+    let today = Artifact::open(&fresh, &Limits::default()).unwrap();
+    same_recipe_but_unused_tables(&a, &today);
+    same_entries_but_unused_tables(&a, &today);
+    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// The `int8-gG` formats (added to version 2 in stop 22): an f32 matrix whose rows end in a
@@ -926,15 +984,59 @@ fn the_specs_musts_are_enforced() {
     assert!(refused("a header not a multiple of 8").contains("padded"));
     reseal(&good, &bad, |r| r.tensors.reverse());
     assert!(refused("unsorted tensors").contains("sorted"));
-    reseal(&good, &bad, |r| {
-        let t = r
-            .tensors
-            .iter_mut()
-            .find(|t| matches!(t.storage, StorageRecipe::Quant { .. }))
-            .unwrap();
-        t.sha256 = Some("ab".repeat(32));
+    // the first tensor stored as `kind` ("dense", "lossless" or "quant")
+    let first = |r: &mut compressme_artifact::Recipe, kind: &str| -> usize {
+        r.tensors
+            .iter()
+            .position(|t| match t.storage {
+                StorageRecipe::Dense => kind == "dense",
+                StorageRecipe::Lossless { .. } => kind == "lossless",
+                StorageRecipe::Quant { .. } => kind == "quant",
+            })
+            .unwrap()
+    };
+    let (sha, xxh) = (|| Some("ab".repeat(32)), || Some("ab".repeat(16)));
+    // each case: the tensor's kind, its `sha256` and `xxh3_128`, what the refusal says
+    let cases = [
+        ("quant", sha(), None, "no whole-tensor digest"),
+        ("quant", None, xxh(), "no whole-tensor digest"),
+        ("dense", sha(), xxh(), "no xxh3_128"),
+        // version 4: a lossless tensor's whole-tensor digest is an XXH3-128, nothing else
+        ("lossless", sha(), xxh(), "needs an xxh3_128"),
+        ("lossless", sha(), None, "needs an xxh3_128"),
+        ("lossless", None, Some("ab".repeat(15)), "32 hex digits"),
+    ];
+    for (kind, sha256, xxh3_128, says) in cases {
+        reseal(&good, &bad, |r| {
+            let i = first(r, kind);
+            r.tensors[i].sha256.clone_from(&sha256);
+            r.tensors[i].xxh3_128.clone_from(&xxh3_128);
+        });
+        let e = refused(&format!("{kind}: sha256 {sha256:?}, xxh3_128 {xxh3_128:?}"));
+        assert!(e.contains(says), "{kind}: {e}");
+    }
+    let v4 = std::fs::read(&good).unwrap();
+    let as_v2 = reseal_metadata(&v4, |md| {
+        use compressme_artifact::recipe::{RECIPE_KEY, VERSION_KEY};
+        md.insert(VERSION_KEY.into(), "2".into());
+        let recipe = md[RECIPE_KEY]
+            .as_str()
+            .unwrap()
+            .replacen("\"version\":4", "\"version\":2", 1);
+        md.insert(RECIPE_KEY.into(), recipe.into());
     });
-    assert!(refused("a digest on a quantized tensor").contains("no whole-tensor sha256"));
+    std::fs::write(&bad, as_v2).unwrap();
+    assert!(refused("version 2 with XXH3-128s").contains("needs a SHA-256"));
+    // a well-formed XXH3-128 that is not the tensor's: the file opens, reading it fails
+    reseal(&good, &bad, |r| {
+        let i = first(r, "lossless");
+        let mut x = r.tensors[i].xxh3_128.take().unwrap().into_bytes();
+        x[31] = if x[31] == b'0' { b'1' } else { b'0' };
+        r.tensors[i].xxh3_128 = Some(String::from_utf8(x).unwrap());
+    });
+    let a = Artifact::open(&bad, &Limits::default()).unwrap();
+    let e = a.verify();
+    assert!(matches!(e, Err(Error::Digest { .. })), "{e:?}");
     rewrite_header(&good, &bad, |h| {
         let at = h.find("\"cm.codes/").unwrap();
         let shape = at + h[at..].find("\"shape\":[").unwrap() + "\"shape\":[".len();
@@ -1005,6 +1107,7 @@ fn a_reserved_header_room_gives_the_same_artifact_padded() {
                 block_rows: *block_rows,
                 coder: compressme_blockstore::Coder::default(),
                 row_index: *row_index,
+                digest: WholeDigest::default(),
             },
             compressme_artifact::StorageRecipe::Quant { format, .. } => Storage::Quantized {
                 format: compressme_quant::Format::parse(format).unwrap(),
@@ -1114,6 +1217,8 @@ fn write_rans_sample(path: &Path) -> Sample {
         ),
     ];
     let mut w = Writer::create(path).unwrap();
+    // as first written: the whole-tensor digests SHA-256 (artifact version 2)
+    w.set_whole_digest(WholeDigest::Sha256);
     for (name, dtype, shape, bytes) in &tensors {
         w.add_lossless(
             name,
@@ -1223,10 +1328,12 @@ fn foreign_safetensors(pad: usize) -> Vec<u8> {
 }
 
 /// Packs the one-file checkpoint at `src` into `dest` as `compressme pack --lossless`
-/// does: floats in row blocks, the rest dense, the source header recorded (version 3).
-fn pack_recording_header(src: &Path, dest: &Path) {
+/// does: floats in row blocks, the rest dense, the source header recorded (version 3
+/// with SHA-256 whole-tensor digests, version 4 with XXH3-128).
+fn pack_recording_header(src: &Path, dest: &Path, digest: WholeDigest) {
     let c = compressme_artifact::Checkpoint::open(src, &Limits::default()).unwrap();
     let mut w = Writer::create(dest).unwrap();
+    w.set_whole_digest(digest);
     w.recipe_mut().source_metadata = c.metadata().clone();
     w.set_source_header(c.source_header().unwrap()).unwrap();
     for e in c.entries() {
@@ -1253,7 +1360,7 @@ fn version_3_unpacks_the_source_file_byte_for_byte() {
         assert_eq!(header_len(&original).is_multiple_of(8), pad == 8);
         std::fs::write(&src, &original).unwrap();
         let art = d.join(format!("a{pad}.cma"));
-        pack_recording_header(&src, &art);
+        pack_recording_header(&src, &art, WholeDigest::Sha256);
         let mut a = Artifact::open(&art, &Limits::default()).unwrap();
         assert_eq!(a.recipe().version, 3);
         assert_eq!(
@@ -1404,7 +1511,7 @@ fn a_tampered_source_header_is_refused() {
     let src = d.join("src.safetensors");
     std::fs::write(&src, foreign_safetensors(8)).unwrap();
     let art = d.join("a.cma");
-    pack_recording_header(&src, &art);
+    pack_recording_header(&src, &art, WholeDigest::Sha256);
     let good = std::fs::read(&art).unwrap();
     let open = |bytes: &[u8]| {
         let p = d.join("t.cma");
@@ -1459,7 +1566,7 @@ fn frozen_v3_fixtures() {
     if std::env::var_os("COMPRESSME_BLESS").is_some() && !sample.exists() {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(&src, foreign_safetensors(8)).unwrap();
-        pack_recording_header(&src, &sample);
+        pack_recording_header(&src, &sample, WholeDigest::Sha256);
         let good = std::fs::read(&sample).unwrap();
         std::fs::write(
             dir.join("flipped_source_header.cma"),
@@ -1492,7 +1599,7 @@ fn frozen_v3_fixtures() {
     unpack(&mut a, &back, Durability::Cached, |_, _| {}).unwrap();
     assert!(std::fs::read(&back).unwrap() == original);
     let fresh = d.join("fresh.cma");
-    pack_recording_header(&src, &fresh);
+    pack_recording_header(&src, &fresh, WholeDigest::Sha256);
     let today = Artifact::open(&fresh, &Limits::default()).unwrap();
     same_recipe_but_unused_tables(&a, &today);
     same_entries_but_unused_tables(&a, &today);
@@ -1509,7 +1616,10 @@ fn frozen_v3_fixtures() {
 /// Tensors larger than a streaming piece, written with smaller ones: `verify` and `unpack`
 /// read the large ones side by side in lanes and the small ones four at a time
 /// (`read/lanes.rs`). Returns the tensors as written.
-fn write_lanes_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+fn write_lanes_sample(
+    path: &Path,
+    digest: WholeDigest,
+) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
     let cols = 256;
     let piece_rows = compressme_artifact::STREAM_PIECE / (cols * 4);
     let mut tensors = Vec::new();
@@ -1538,6 +1648,7 @@ fn write_lanes_sample(path: &Path) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> 
         (0i64..40).flat_map(i64::to_le_bytes).collect(),
     ));
     let mut w = Writer::create(path).unwrap();
+    w.set_whole_digest(digest);
     for (name, dtype, shape, bytes) in &tensors {
         if name == "ids" {
             w.add_dense(name, *dtype, shape, bytes).unwrap();
@@ -1562,11 +1673,23 @@ fn flip_in_blocks(raw: &mut [u8], a: &Artifact, name: &str) {
     raw[at] ^= 0x10;
 }
 
+/// Both kinds of whole-tensor digest: SHA-256s (version 2) hashed in lockstep, XXH3-128s
+/// (version 4) lane by lane.
 #[test]
 fn tensors_read_side_by_side_give_the_same_bytes_on_any_thread_count() {
-    let d = tmp("lanes");
+    lanes_case(WholeDigest::Sha256, "lanes-sha256");
+    lanes_case(WholeDigest::Xxh3, "lanes-xxh3");
+}
+
+fn lanes_case(digest: WholeDigest, dir: &str) {
+    let d = tmp(dir);
     let path = d.join("a.cma");
-    let tensors = write_lanes_sample(&path);
+    let tensors = write_lanes_sample(&path, digest);
+    let version = Artifact::open(&path, &Limits::default())
+        .unwrap()
+        .recipe()
+        .version;
+    assert_eq!(version, if digest == WholeDigest::Xxh3 { 4 } else { 2 });
     let pool = |n: usize| {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -1663,6 +1786,27 @@ fn tensors_read_side_by_side_give_the_same_bytes_on_any_thread_count() {
             assert!(!out.exists());
         }
     }
+    // the recipe re-sealed with a wrong whole-tensor digest for a large tensor (read in
+    // lanes) and for a small one (read four at a time): each named
+    for name in ["large.2.weight", "small.4.weight"] {
+        let bad = d.join("bad-digest.cma");
+        reseal(&path, &bad, |r| {
+            let t = r.tensors.iter_mut().find(|t| t.name == name).unwrap();
+            let field = match digest {
+                WholeDigest::Xxh3 => t.xxh3_128.as_mut(),
+                WholeDigest::Sha256 => t.sha256.as_mut(),
+            };
+            let hex = field.unwrap();
+            let last = if hex.ends_with('0') { "1" } else { "0" };
+            hex.replace_range(hex.len() - 1.., last);
+        });
+        let b = Artifact::open(&bad, &Limits::default()).unwrap();
+        let e = b.verify();
+        assert!(
+            matches!(&e, Err(Error::Digest { tensor, .. }) if tensor == name),
+            "{e:?}"
+        );
+    }
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -1702,6 +1846,7 @@ fn preparing_many_lossless_tensors_gives_what_one_by_one_gives() {
             block_rows: 8,
             coder: Coder::default(),
             row_index: false,
+            digest: WholeDigest::default(),
         },
         Storage::Dense,
     ] {

@@ -841,6 +841,7 @@ pub fn run_real(
     }
     let paired = paired_rows(&variants, questions, cfg.bootstrap_resamples, cfg.seed)?;
 
+    let artifact_version = crate::stages::artifact_version(work_dir, &variants)?;
     Ok(Report {
         report_version: crate::REPORT_VERSION,
         tool: format!("compressme {}", env!("CARGO_PKG_VERSION")),
@@ -863,7 +864,7 @@ pub fn run_real(
         threads: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         candle_kernels: compressme_nn::candle_kernel_tier().into(),
         our_kernels: crate::our_kernel_tier(),
-        artifact_version: compressme_artifact::recipe::VERSION,
+        artifact_version,
         seconds: t0.elapsed().as_secs_f64(),
     })
 }

@@ -48,9 +48,10 @@ pub struct Report {
     /// is not compared. `unrecorded` in reports written before it was recorded.
     #[serde(default = "unrecorded")]
     pub our_kernels: String,
-    /// The artifact version the run wrote its `.cma` variants in
-    /// (`compressme_artifact::recipe::VERSION`): their files' bytes and digests reproduce
-    /// only under the same version. 1 in reports written before it was recorded.
+    /// The artifact version the run wrote its `.cma` variants in, the newest among them
+    /// (4 where a variant holds a lossless tensor since 2026-12-06, else 2): their files'
+    /// bytes and digests reproduce only under the same version. 1 in reports written
+    /// before it was recorded.
     #[serde(default = "artifact_v1")]
     pub artifact_version: u32,
     /// Wall-clock seconds of the whole run.

@@ -308,6 +308,21 @@ pub(crate) fn module_bytes(m: &impl Model) -> Vec<ModuleBytes> {
         .collect()
 }
 
+/// The artifact version the report records: the newest among the variants' `.cma` files
+/// in `work_dir` (version 4 where a variant holds a lossless tensor, version 2 otherwise;
+/// [`compressme_artifact::recipe::VERSION`] when there is none).
+pub(crate) fn artifact_version(work_dir: &Path, variants: &[Variant]) -> Result<u32> {
+    let mut version = compressme_artifact::recipe::VERSION;
+    for v in variants.iter().filter(|v| v.storage.file.ends_with(".cma")) {
+        let a = compressme_artifact::Artifact::open(
+            &work_dir.join(&v.storage.file),
+            &compressme_artifact::Limits::default(),
+        )?;
+        version = version.max(a.recipe().version);
+    }
+    Ok(version)
+}
+
 /// A reloaded variant's bytes: its file, and its modules as loaded.
 pub(crate) fn storage(file: &Path, file_bytes: u64, m: &impl Model) -> Result<Storage> {
     let modules = module_bytes(m);

@@ -30,15 +30,22 @@ fn same_tensors(a: &Path, b: &Path) -> usize {
 }
 
 fn round_trip(input: &Path, d: &Path) -> (usize, serde_json::Value) {
+    round_trip_with(input, d, &[])
+}
+
+/// [`round_trip`] with `extra` options to `pack`.
+fn round_trip_with(input: &Path, d: &Path, extra: &[&str]) -> (usize, serde_json::Value) {
     let art = d.join("a.cma");
     let out = d.join("back.safetensors");
-    let (ok, _, err) = run(&[
+    let mut args = vec![
         "pack",
         input.to_str().unwrap(),
         "--lossless",
         "-o",
         art.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let (ok, _, err) = run(&args);
     assert!(ok, "{err}");
     let (ok, stdout, err) = run(&["verify", art.to_str().unwrap()]);
     assert!(ok && stdout.contains("ok"), "{err}");
@@ -50,7 +57,8 @@ fn round_trip(input: &Path, d: &Path) -> (usize, serde_json::Value) {
         input.to_path_buf()
     };
     let n = same_tensors(&src, &out);
-    // a one-file checkpoint: its header is recorded (version 3) and the file comes back
+    // a one-file checkpoint: its header is recorded (version 4, or 3 with SHA-256 digests)
+    // and the file comes back
     assert!(
         std::fs::read(&src).unwrap() == std::fs::read(&out).unwrap(),
         "unpack did not give back {} byte for byte",
@@ -59,7 +67,8 @@ fn round_trip(input: &Path, d: &Path) -> (usize, serde_json::Value) {
     let (ok, stdout, _) = run(&["inspect", art.to_str().unwrap(), "--json"]);
     assert!(ok);
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert_eq!(v["version"], 3, "{v}");
+    let sha256 = extra.windows(2).any(|w| w == ["--whole-digest", "sha256"]);
+    assert_eq!(v["version"], if sha256 { 3 } else { 4 }, "{v}");
     assert_eq!(
         v["source_header_bytes"].as_u64(),
         Some(u64::from_le_bytes(
@@ -104,6 +113,17 @@ fn fsync_writes_the_same_files() {
         .collect();
     names.sort();
     assert_eq!(names, ["a.cma", "b.cma", "x.safetensors", "y.safetensors"]);
+}
+
+#[test]
+fn whole_tensor_sha256_digests_write_version_3() {
+    let d = tmp("tiny-sha256");
+    let (n, _) = round_trip_with(
+        &root().join("fixtures/bert/tiny"),
+        &d,
+        &["--whole-digest", "sha256"],
+    );
+    assert_eq!(n, 37);
 }
 
 #[test]

@@ -81,6 +81,7 @@ fn bomb(path: &Path, rows: u64, cols: u64, block_rows: u32, zero_digest: bool) -
             dtype: "F32".into(),
             shape: vec![rows as usize, cols as usize],
             sha256: Some(sha),
+            xxh3_128: None,
             storage: StorageRecipe::Lossless {
                 block_rows: block_rows as usize,
                 rows,

@@ -25,11 +25,12 @@
 #![deny(clippy::arithmetic_side_effects)]
 
 use rayon::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
 
 use compressme_blockstore::{BLOCKS_TOGETHER, BlockStore, Decoder, Sha256Streams, sha256_many};
 
 use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, has_whole_digest};
-use crate::recipe::{StorageRecipe, TensorRecipe, hex};
+use crate::recipe::{StorageRecipe, TensorRecipe, WholeDigest, hex, xxh3_hex};
 use crate::st::Mapped;
 use crate::validate::decoded_bytes;
 use crate::{Error, Result};
@@ -266,6 +267,9 @@ impl Artifact {
         let mut spare: Vec<Vec<u8>> = Vec::new();
         let mut in_flight = 0u64;
         let mut hasher = Sha256Streams::new(LANES);
+        // the lanes whose tensors' digests are XXH3-128 (lossless, version 4): fed here
+        // and not to `hasher`, whose stream for that lane stays empty
+        let mut xxh: Vec<Option<Box<Xxh3>>> = (0..LANES).map(|_| None).collect();
         // decoders' scratch space, reused from piece to piece
         let scratch = Pool::default();
 
@@ -342,20 +346,37 @@ impl Artifact {
 
         // hashes one round's pieces, gives them to `sink`, checks the tensors that ended
         // (their places in `ts`, for `done` on the calling thread)
-        let take = |hasher: &mut Sha256Streams, pieces: &[Piece]| -> Result<Vec<usize>> {
+        let take = |(hasher, xxh): (&mut Sha256Streams, &mut Vec<Option<Box<Xxh3>>>),
+                    pieces: &[Piece]|
+         -> Result<Vec<usize>> {
             let mut ended = Vec::new();
             let mut feed: Vec<&[u8]> = vec![&[]; LANES];
             for p in pieces {
                 sink(p.index, p.at, &p.bytes)?;
-                if let Some(f) = feed.get_mut(p.lane) {
+                let t = ts.get(p.index).ok_or(Error::Cancelled)?;
+                if t.whole_digest() == Some(WholeDigest::Xxh3) {
+                    if let Some(x) = xxh.get_mut(p.lane) {
+                        x.get_or_insert_with(|| Box::new(Xxh3::new()))
+                            .update(&p.bytes);
+                    }
+                } else if let Some(f) = feed.get_mut(p.lane) {
                     *f = &p.bytes;
                 }
             }
             hasher.update(&feed);
             for p in pieces.iter().filter(|p| p.last) {
-                let d = hasher.finish(p.lane).unwrap_or_default();
                 let t = ts.get(p.index).ok_or(Error::Cancelled)?;
-                whole_digest(t, &d)?;
+                let got = if t.whole_digest() == Some(WholeDigest::Xxh3) {
+                    let x = xxh.get_mut(p.lane).and_then(Option::take);
+                    // a tensor of no bytes fed nothing
+                    format!(
+                        "{:032x}",
+                        x.map_or_else(|| Xxh3::new().digest128(), |x| x.digest128())
+                    )
+                } else {
+                    hex(&hasher.finish(p.lane).unwrap_or_default())
+                };
+                whole_digest(t, &got)?;
                 ended.push(p.index);
             }
             Ok(ended)
@@ -364,7 +385,10 @@ impl Artifact {
         let mut ready = next_round(Vec::new())?;
         while !ready.is_empty() {
             let bufs = std::mem::take(&mut spare);
-            let (taken, next) = rayon::join(|| take(&mut hasher, &ready), || next_round(bufs));
+            let (taken, next) = rayon::join(
+                || take((&mut hasher, &mut xxh), &ready),
+                || next_round(bufs),
+            );
             round(&taken?)?;
             let next = next?;
             spare = std::mem::replace(&mut ready, next)
@@ -413,10 +437,25 @@ impl Artifact {
                     Err(_) => {}
                 }
             }
-            let msgs: Vec<&[u8]> = found.iter().map(|(_, w)| w.bytes()).collect();
-            for ((i, w), d) in found.iter().zip(sha256_many(&msgs)) {
+            // SHA-256s four at a time; XXH3-128s (lossless, version 4) one by one
+            let xxh3 = |i: &usize| {
+                ts.get(*i)
+                    .is_some_and(|t| t.whole_digest() == Some(WholeDigest::Xxh3))
+            };
+            let msgs: Vec<&[u8]> = found
+                .iter()
+                .filter(|(i, _)| !xxh3(i))
+                .map(|(_, w)| w.bytes())
+                .collect();
+            let mut shas = sha256_many(&msgs).into_iter();
+            for (i, w) in &found {
                 let Some(t) = ts.get(*i) else { continue };
-                if let Err(e) = whole_digest(t, &d)
+                let got = if xxh3(i) {
+                    xxh3_hex(w.bytes())
+                } else {
+                    hex(&shas.next().unwrap_or_default())
+                };
+                if let Err(e) = whole_digest(t, &got)
                     && failed.as_ref().is_none_or(|(f, _)| i < f)
                 {
                     failed = Some((*i, e));
@@ -536,9 +575,9 @@ fn not_digested(t: &TensorRecipe) -> Error {
     }
 }
 
-/// `d` against `t`'s whole-tensor SHA-256.
-fn whole_digest(t: &TensorRecipe, d: &[u8; 32]) -> Result<()> {
-    if t.sha256.as_deref() == Some(hex(d).as_str()) {
+/// `got` (hex of the digest `t.whole_digest()` names) against `t`'s whole-tensor digest.
+fn whole_digest(t: &TensorRecipe, got: &str) -> Result<()> {
+    if t.whole_is(got) {
         Ok(())
     } else {
         Err(Error::Digest {

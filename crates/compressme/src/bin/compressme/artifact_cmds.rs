@@ -8,13 +8,12 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use compressme::artifact::{
     Artifact, Checkpoint, Dtype, Durability, Input as WriteInput, Limits, Storage, StorageRecipe,
-    Writer, recipe::sha256_hex, unpack,
+    WholeDigest, Writer, recipe::sha256_hex, unpack,
 };
 use compressme::blockstore::{Coder, SharedBytes};
 use compressme::quant::Format;
 use indicatif::{ProgressBar, ProgressStyle};
 
-/// How `pack` stores tensors.
 /// The entropy coder of `pack`'s lossless planes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum EntropyCoder {
@@ -25,6 +24,15 @@ pub(crate) enum EntropyCoder {
     Rans,
     /// Huffman tables only.
     Huffman,
+}
+
+/// The whole-tensor digest `pack` records for each lossless tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum WholeDigestArg {
+    /// XXH3-128 (artifact version 4).
+    Xxh3,
+    /// SHA-256 (artifact versions 2 and 3).
+    Sha256,
 }
 
 #[derive(clap::Args)]
@@ -74,6 +82,13 @@ pub(crate) struct PackArgs {
     /// slowest to decode: near-uniform mantissa planes take rANS too).
     #[arg(long, value_enum, default_value_t = EntropyCoder::Mixed)]
     pub(crate) coder: EntropyCoder,
+    /// The whole-tensor digest of each lossless tensor: `xxh3` (XXH3-128, artifact version
+    /// 4; the stored bytes stay sealed by every block's SHA-256, and checking what they
+    /// decode to costs a fraction of a SHA-256) or `sha256` (artifact versions 2 and 3,
+    /// which compressme reads from before version 4 did; a recipe that names each tensor
+    /// by its SHA-256).
+    #[arg(long, value_enum, default_value_t = WholeDigestArg::Xxh3)]
+    pub(crate) whole_digest: WholeDigestArg,
     /// Code lossless planes with Zstandard at this level instead of shared tables.
     #[arg(long)]
     pub(crate) zstd_level: Option<i32>,
@@ -399,6 +414,10 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                 block_rows: a.block_rows,
                 coder,
                 row_index: a.row_index,
+                digest: match a.whole_digest {
+                    WholeDigestArg::Xxh3 => WholeDigest::Xxh3,
+                    WholeDigestArg::Sha256 => WholeDigest::Sha256,
+                },
             },
             Choice::Quant(f) => {
                 let module = name.strip_suffix(".weight").unwrap_or(name);
