@@ -320,7 +320,7 @@ impl Writer {
                 shape: vec![usize::try_from(dense).unwrap_or(usize::MAX)],
                 len: dense,
             };
-            let (sha256, storage) = match storage {
+            let (sha256, xxh3_128, storage) = match storage {
                 Storage::Dense => {
                     planned.push(Planned {
                         name: name.into(),
@@ -328,19 +328,22 @@ impl Writer {
                         shape: shape.to_vec(),
                         len: dense,
                     });
-                    (Some(digest()), StorageRecipe::Dense)
+                    (Some(digest()), None, StorageRecipe::Dense)
                 }
                 Storage::Lossless {
                     block_rows,
                     coder,
                     row_index,
-                    ..
+                    digest: whole,
                 } => {
-                    // a bound: a SHA-256 is longer than an XXH3-128 under its longer key
+                    // a bound: the entry is longer than a dense one, should blocks not pay
                     planned.push(part(blocks_name(name), Dtype::U8));
                     let storage =
                         lossless_recipe(dtype, shape, *block_rows, *coder, *row_index, digest());
-                    (Some(digest()), storage)
+                    match whole {
+                        WholeDigest::Sha256 => (Some(digest()), None, storage),
+                        WholeDigest::Xxh3 => (None, Some("0".repeat(32)), storage),
+                    }
                 }
                 Storage::Quantized { format, .. } => {
                     planned.push(part(codes_name(name), Dtype::U8));
@@ -352,7 +355,7 @@ impl Writer {
                         cols: shape.iter().skip(1).product::<usize>(),
                         payload_sha256: digest(),
                     };
-                    (None, storage)
+                    (None, None, storage)
                 }
             };
             recipe.tensors.push(TensorRecipe {
@@ -360,7 +363,7 @@ impl Writer {
                 dtype: dtype.name().into(),
                 shape: shape.to_vec(),
                 sha256,
-                xxh3_128: None,
+                xxh3_128,
                 storage,
             });
         }
