@@ -21,9 +21,11 @@
 //!   crate's only `unsafe`, with what it assumes written beside it); artifacts are read
 //!   the same way, block stores in place.
 //!
-//! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1, 2 and 3": this
-//! build writes version 3 when it records the source header, version 2 otherwise, and
-//! reads all three); frozen fixtures live under `fixtures/artifact/v1/`, `v2/` and `v3/`. What it is not: a model loader (the umbrella crate
+//! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1, 2, 3 and 4": this
+//! build writes version 4 when lossless tensors record XXH3-128 whole-tensor digests,
+//! [`WholeDigest::Xxh3`], the default; with SHA-256 ones, version 3 when it records the
+//! source header and version 2 otherwise; it reads all four); frozen fixtures live under
+//! `fixtures/artifact/v1/` to `v4/`. What it is not: a model loader (the umbrella crate
 //! applies artifacts to models) or a compressor of its own (the block store and the
 //! quantized formats are).
 //!
