@@ -7,8 +7,9 @@
 //! two passes:
 //! - tensors of more than [`STREAM_PIECE`] decoded bytes stream in up to four lanes, a
 //!   round at a time, every lane advancing by about as many bytes as the shortest has left
-//!   (at most [`LANE_PIECE`], at least [`BLOCKS_TOGETHER`] blocks, so a piece's rANS
-//!   planes still decode six side by side); one round's pieces are hashed (and handed to the caller's
+//!   (at most [`LANE_PIECE`], but [`BLOCKS_TOGETHER`] blocks at least where they fit in
+//!   [`STREAM_PIECE`], so a piece's rANS planes still decode six side by side); one
+//!   round's pieces are hashed (and handed to the caller's
 //!   sink) while the next round's are decoded. The lanes are filled largest tensor first,
 //!   and a tensor enters only while the stored bytes of those in the lanes stay within
 //!   [`LANES_BYTES`] (one tensor at least, however large), so memory stays bounded;
@@ -43,12 +44,21 @@ const LANES: usize = 4;
 /// the file's map, which stay resident until the tensor ends.
 const LANES_BYTES: u64 = 8 * STREAM_BYTES as u64;
 
-/// Decoded bytes a lane advances by a round, at most (but [`BLOCKS_TOGETHER`] blocks at
-/// least): a piece decoded, hashed and handed on while it is still in the cache, in
+/// Decoded bytes a lane advances by a round, at most (but see [`min_blocks`]): a piece decoded, hashed and handed on while it is still in the cache, in
 /// buffers small enough that a short run does not spend its time faulting in fresh pages
 /// for them (at [`STREAM_PIECE`], a third of `verify`'s page faults on MiniLM bf16 were
 /// first touches of the lanes' buffers).
 const LANE_PIECE: u64 = 1 << 20;
+
+/// The fewest blocks of `block_bytes` decoded bytes a lane's piece takes: enough that
+/// their rANS planes decode [`BLOCKS_TOGETHER`] side by side, but no more than fit in
+/// [`STREAM_PIECE`] (one block at least), so that memory stays bounded by the piece
+/// whatever the blocks' size.
+fn min_blocks(block_bytes: usize) -> usize {
+    BLOCKS_TOGETHER
+        .min(STREAM_PIECE.div_ceil(block_bytes.max(1)))
+        .max(1)
+}
 
 /// Stored bytes of the small tensors' groups in flight at once (one group at least): enough
 /// to keep two cores busy, few enough that the groups' buffers are reused.
@@ -83,7 +93,7 @@ impl Running<'_> {
     }
 
     /// Produces this tensor's next piece, about `target` bytes (whole blocks, at least
-    /// [`BLOCKS_TOGETHER`]), into `buf`: decoded in parallel, each block checked against its digest first
+    /// [`min_blocks`]), into `buf`: decoded in parallel, each block checked against its digest first
     /// with `blocks`. Returns the piece's offset in the tensor and whether it is the last.
     fn produce(
         &mut self,
@@ -118,7 +128,7 @@ impl Running<'_> {
                     let per = usize::try_from(target)
                         .unwrap_or(usize::MAX)
                         .div_ceil(block_bytes)
-                        .max(BLOCKS_TOGETHER);
+                        .max(min_blocks(block_bytes));
                     let b1 = b0.saturating_add(per).min(nb);
                     if blocks {
                         store.verify_blocks(b0..b1).map_err(blocks_err)?;
