@@ -14,7 +14,7 @@ use compressme_blockstore::BlockStore;
 use compressme_quant::{Format, Packed};
 
 use crate::convert::{from_f32, to_f32, value_kind};
-use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, WholeDigest, hex, sha256_hex, xxh3_hex};
+use crate::recipe::{Recipe, StorageRecipe, TensorRecipe, hex};
 use crate::st::{Dtype, Entry, Limits, Mapped, SafetensorsFile};
 use crate::validate::{
     SourceHeader, blocks_name, check_decoded, codes_name, decoded_bytes, mins_name, payload_names,
@@ -323,11 +323,8 @@ impl Artifact {
     /// lossless tensor from version 4 on, SHA-256 otherwise).
     fn check_whole(&self, name: &str, bytes: &[u8]) -> Result<()> {
         let t = self.tensor(name);
-        let got = match t.and_then(TensorRecipe::whole_digest) {
-            Some(WholeDigest::Xxh3) => xxh3_hex(bytes),
-            _ => sha256_hex(bytes),
-        };
-        if !t.is_some_and(|t| t.whole_is(&got)) {
+        let kind = t.and_then(TensorRecipe::whole_digest);
+        if !t.is_some_and(|t| t.whole_is(&kind.unwrap_or_default().hex_of(bytes))) {
             return Err(Error::Digest {
                 tensor: name.into(),
                 what: "whole tensor".into(),

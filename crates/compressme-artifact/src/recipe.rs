@@ -138,7 +138,7 @@ pub enum StorageRecipe {
 pub use compressme_blockstore::hex;
 
 /// The whole-tensor digest a writer records for a lossless tensor.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum WholeDigest {
     /// XXH3-128 (artifact version 4): the stored bytes are sealed by SHA-256 block digests
     /// already; this checks the decoding, at several times SHA-256's speed.
@@ -166,19 +166,30 @@ impl TensorRecipe {
     /// Whether `hex` (of the digest [`TensorRecipe::whole_digest`] names) is the one the
     /// recipe records.
     pub(crate) fn whole_is(&self, hex: &str) -> bool {
-        let want = match self.whole_digest() {
-            Some(WholeDigest::Xxh3) => self.xxh3_128.as_deref(),
-            Some(WholeDigest::Sha256) => self.sha256.as_deref(),
-            None => None,
-        };
-        want == Some(hex)
+        self.xxh3_128.as_deref().or(self.sha256.as_deref()) == Some(hex)
+    }
+}
+
+impl WholeDigest {
+    /// This digest of `bytes`, as the recipe records it (lowercase hex).
+    #[must_use]
+    pub fn hex_of(self, bytes: &[u8]) -> String {
+        match self {
+            WholeDigest::Sha256 => sha256_hex(bytes),
+            WholeDigest::Xxh3 => xxh3_hex(bytes),
+        }
     }
 }
 
 /// XXH3-128 as 32 lowercase hex digits (canonical, big-endian).
 #[must_use]
 pub fn xxh3_hex(bytes: &[u8]) -> String {
-    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
+    xxh3_128_hex(xxhash_rust::xxh3::xxh3_128(bytes))
+}
+
+/// An XXH3-128 value as the recipe records it: 32 lowercase hex digits, big-endian.
+pub(crate) fn xxh3_128_hex(d: u128) -> String {
+    format!("{d:032x}")
 }
 
 /// SHA-256 as lowercase hex.

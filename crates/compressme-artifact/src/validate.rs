@@ -130,8 +130,8 @@ pub(crate) fn recipe(
     Ok((recipe, source))
 }
 
-/// The source header: absent before version 3, present in version 3, either in version 4; its text's SHA-256 the
-/// recipe's, parsed strictly for the data section the recipe's tensors decode to, and
+/// The source header: absent before version 3, present in version 3, either in version
+/// 4; when present, its text's SHA-256 the recipe's, parsed strictly for the data section the recipe's tensors decode to, and
 /// naming the recipe's tensors with their dtypes and shapes, each once.
 fn source_header(
     path: &Path,
@@ -319,7 +319,8 @@ fn check_tensor(
         }
         Ok(e.clone())
     };
-    let hex_ok = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let hex_len = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let hex_ok = |s: &str| hex_len(s, 64);
     match &t.storage {
         StorageRecipe::Dense => {
             let e = entry(n, Some(dtype))?;
@@ -375,9 +376,8 @@ fn check_tensor(
                 ));
             }
             // the whole-tensor digest: XXH3-128 from version 4 on, SHA-256 before
-            let xxh3_ok = |s: &str| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit());
             if version >= VERSION_XXH3 {
-                if !t.xxh3_128.as_deref().is_some_and(xxh3_ok) || t.sha256.is_some() {
+                if !t.xxh3_128.as_deref().is_some_and(|s| hex_len(s, 32)) || t.sha256.is_some() {
                     return Err(format!(
                         "tensor `{n}`: version {version} lossless storage needs an xxh3_128 (32 hex digits) and no sha256"
                     ));

@@ -581,7 +581,7 @@ impl Writer {
                 let opts = lossless_options(dtype, *block_rows, *coder, *row_index);
                 // the whole-tensor digest on one core while the blocks are coded
                 let (whole, store) = rayon::join(
-                    || whole_hex(*digest, bytes),
+                    || digest.hex_of(bytes),
                     || BlockStore::encode(bytes, rows, row_bytes as usize, &opts),
                 );
                 let coding = (*block_rows, *coder, *row_index);
@@ -880,14 +880,12 @@ impl Writer {
     /// whole-tensor digest, and any verification failure (the file is then removed).
     pub fn finish(self) -> Result<Summary> {
         // one whole-tensor digest for the lossless tensors: the version says which
-        let lossless = |t: &&TensorRecipe| matches!(t.storage, StorageRecipe::Lossless { .. });
-        let kinds: HashSet<Option<WholeDigest>> = self
-            .tensors
-            .iter()
-            .filter(lossless)
-            .map(TensorRecipe::whole_digest)
-            .collect();
-        if kinds.len() > 1 {
+        let lossless_with = |d: WholeDigest| {
+            self.tensors.iter().any(|t| {
+                matches!(t.storage, StorageRecipe::Lossless { .. }) && t.whole_digest() == Some(d)
+            })
+        };
+        if lossless_with(WholeDigest::Xxh3) && lossless_with(WholeDigest::Sha256) {
             return Err(Error::Invalid {
                 tensor: String::new(),
                 reason: "lossless tensors prepared with both XXH3-128 and SHA-256 whole-tensor \
@@ -943,14 +941,6 @@ impl Writer {
         out.set_durability(self.durability);
         out.commit()?;
         Ok(summary)
-    }
-}
-
-/// A tensor's whole-tensor digest of `bytes`, as the recipe records it.
-fn whole_hex(digest: WholeDigest, bytes: &[u8]) -> String {
-    match digest {
-        WholeDigest::Sha256 => sha256_hex(bytes),
-        WholeDigest::Xxh3 => xxh3_hex(bytes),
     }
 }
 

@@ -32,7 +32,7 @@ use xxhash_rust::xxh3::Xxh3;
 use compressme_blockstore::{BLOCKS_TOGETHER, BlockStore, Decoder, Sha256Streams, sha256_many};
 
 use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, has_whole_digest};
-use crate::recipe::{StorageRecipe, TensorRecipe, WholeDigest, hex, xxh3_hex};
+use crate::recipe::{StorageRecipe, TensorRecipe, WholeDigest, hex, xxh3_128_hex, xxh3_hex};
 use crate::st::Mapped;
 use crate::validate::decoded_bytes;
 use crate::{Error, Result};
@@ -385,12 +385,9 @@ impl Artifact {
             for p in pieces.iter().filter(|p| p.last) {
                 let t = ts.get(p.index).ok_or(Error::Cancelled)?;
                 let got = if t.whole_digest() == Some(WholeDigest::Xxh3) {
+                    // a tensor of no bytes fed nothing: the empty input's digest
                     let x = xxh.get_mut(p.lane).and_then(Option::take);
-                    // a tensor of no bytes fed nothing
-                    format!(
-                        "{:032x}",
-                        x.map_or_else(|| Xxh3::new().digest128(), |x| x.digest128())
-                    )
+                    xxh3_128_hex(x.unwrap_or_default().digest128())
                 } else {
                     hex(&hasher.finish(p.lane).unwrap_or_default())
                 };
