@@ -13,9 +13,11 @@
 //!   sink) while the next round's are decoded. The lanes are filled largest tensor first,
 //!   and a tensor enters only while the stored bytes of those in the lanes stay within
 //!   [`LANES_BYTES`] (one tensor at least, however large), so memory stays bounded;
-//! - the smaller ones, four of similar size at a time, each decoded whole (or read in
-//!   place from the file's map, if dense) and the four hashed at once, groups in
-//!   parallel, in waves of at most `SMALL_BYTES` of stored bytes.
+//! - the smaller ones, four of similar size at a time, groups in parallel, in waves of at
+//!   most `SMALL_BYTES` of stored bytes: each decoded whole (or read in place from the
+//!   file's map, if dense) and the group's SHA-256s taken at once; or, a lossless tensor
+//!   whose whole-tensor digest is XXH3-128 (version 4), which needs no lockstep, decoded
+//!   a piece at a time through one reused buffer and hashed as it goes.
 //!
 //! Both passes run on the caller's rayon pool (`rayon::join`), and nothing in them blocks a
 //! worker on a channel, so a pool of one thread runs them too.
@@ -32,7 +34,7 @@ use xxhash_rust::xxh3::Xxh3;
 use compressme_blockstore::{BLOCKS_TOGETHER, BlockStore, Decoder, Sha256Streams, sha256_many};
 
 use super::{Artifact, STREAM_BYTES, STREAM_PIECE, Stored, has_whole_digest};
-use crate::recipe::{StorageRecipe, TensorRecipe, WholeDigest, hex, xxh3_128_hex, xxh3_hex};
+use crate::recipe::{StorageRecipe, TensorRecipe, WholeDigest, hex, xxh3_128_hex};
 use crate::st::Mapped;
 use crate::validate::decoded_bytes;
 use crate::{Error, Result};
@@ -44,11 +46,12 @@ const LANES: usize = 4;
 /// the file's map, which stay resident until the tensor ends.
 const LANES_BYTES: u64 = 8 * STREAM_BYTES as u64;
 
-/// Decoded bytes a lane advances by a round, at most (but see [`min_blocks`]): a piece decoded, hashed and handed on while it is still in the cache, in
-/// buffers small enough that a short run does not spend its time faulting in fresh pages
-/// for them (at [`STREAM_PIECE`], a third of `verify`'s page faults on MiniLM bf16 were
-/// first touches of the lanes' buffers).
-const LANE_PIECE: u64 = 1 << 20;
+/// Decoded bytes a lane advances by a round, and a streamed small tensor by a piece, at
+/// most (but see [`min_blocks`]): a piece decoded, hashed and handed on while it is still
+/// in the cache, in buffers small enough that a short run does not spend its time faulting
+/// in fresh pages for them (at [`STREAM_PIECE`], a third of `verify`'s page faults on
+/// MiniLM bf16 were first touches of the lanes' buffers; 1 MiB to 512 KiB took 260 more).
+const LANE_PIECE: u64 = 512 << 10;
 
 /// The fewest blocks of `block_bytes` decoded bytes a lane's piece takes: enough that
 /// their rANS planes decode [`BLOCKS_TOGETHER`] side by side, but no more than fit in
@@ -58,6 +61,14 @@ fn min_blocks(block_bytes: usize) -> usize {
     BLOCKS_TOGETHER
         .min(STREAM_PIECE.div_ceil(block_bytes.max(1)))
         .max(1)
+}
+
+/// Whether a small tensor streams a piece at a time ([`Artifact::stream_small`]) rather
+/// than being read whole: a lossless one whose whole-tensor digest is XXH3-128 (version 4),
+/// which needs no lockstep with other tensors.
+fn streams_small(t: &TensorRecipe) -> bool {
+    matches!(t.storage, StorageRecipe::Lossless { .. })
+        && t.whole_digest() == Some(WholeDigest::Xxh3)
 }
 
 /// Stored bytes of the small tensors' groups in flight at once (one group at least): enough
@@ -92,7 +103,7 @@ impl Running<'_> {
         self.want.saturating_sub(self.at)
     }
 
-    /// Produces this tensor's next piece, about `target` bytes (whole blocks, at least
+    /// Produces this tensor's next piece, about `target` bytes (whole blocks, a multiple of
     /// [`min_blocks`]), into `buf`: decoded in parallel, each block checked against its digest first
     /// with `blocks`. Returns the piece's offset in the tensor and whether it is the last.
     fn produce(
@@ -125,10 +136,14 @@ impl Running<'_> {
                     self.next_block = nb;
                 } else if self.next_block < nb {
                     let b0 = self.next_block;
+                    // whole groups of `min_blocks`, so no group decodes fewer side by side
+                    // than it could (a piece of 11 blocks was decoded as 6 and 5)
+                    let m = min_blocks(block_bytes);
                     let per = usize::try_from(target)
                         .unwrap_or(usize::MAX)
                         .div_ceil(block_bytes)
-                        .max(min_blocks(block_bytes));
+                        .div_ceil(m)
+                        .saturating_mul(m);
                     let b1 = b0.saturating_add(per).min(nb);
                     if blocks {
                         store.verify_blocks(b0..b1).map_err(blocks_err)?;
@@ -435,10 +450,16 @@ impl Artifact {
         let pool = Pool::default();
         let scratch = Pool::default();
         let work = |g: &[usize]| -> Result<Vec<usize>> {
-            let read: Vec<Result<Whole>> = g
+            // lossless tensors with an XXH3-128 digest stream a piece at a time through
+            // one reused buffer (checked and handed to `sink` here: `None`); the others
+            // are read whole, for their SHA-256s four at a time below
+            let read: Vec<Result<Option<Whole>>> = g
                 .par_iter()
                 .map(|&i| match ts.get(i) {
-                    Some(t) => self.read_whole(t, blocks, &pool, &scratch),
+                    Some(t) if streams_small(t) => self
+                        .stream_small(i, t, blocks, sink, &pool, &scratch)
+                        .map(|()| None),
+                    Some(t) => self.read_whole(t, blocks, &pool, &scratch).map(Some),
                     None => Err(Error::Cancelled),
                 })
                 .collect();
@@ -447,30 +468,17 @@ impl Artifact {
             let mut found = Vec::with_capacity(read.len());
             for (&i, r) in g.iter().zip(read) {
                 match r {
-                    Ok(w) => found.push((i, w)),
+                    Ok(Some(w)) => found.push((i, w)),
+                    Ok(None) => {}
                     Err(e) if failed.as_ref().is_none_or(|(f, _)| i < *f) => failed = Some((i, e)),
                     Err(_) => {}
                 }
             }
-            // SHA-256s four at a time; XXH3-128s (lossless, version 4) one by one
-            let xxh3 = |i: &usize| {
-                ts.get(*i)
-                    .is_some_and(|t| t.whole_digest() == Some(WholeDigest::Xxh3))
-            };
-            let msgs: Vec<&[u8]> = found
-                .iter()
-                .filter(|(i, _)| !xxh3(i))
-                .map(|(_, w)| w.bytes())
-                .collect();
-            let mut shas = sha256_many(&msgs).into_iter();
-            for (i, w) in &found {
+            // SHA-256s four at a time
+            let msgs: Vec<&[u8]> = found.iter().map(|(_, w)| w.bytes()).collect();
+            for ((i, w), sha) in found.iter().zip(sha256_many(&msgs)) {
                 let Some(t) = ts.get(*i) else { continue };
-                let got = if xxh3(i) {
-                    xxh3_hex(w.bytes())
-                } else {
-                    hex(&shas.next().unwrap_or_default())
-                };
-                if let Err(e) = whole_digest(t, &got)
+                if let Err(e) = whole_digest(t, &hex(&sha))
                     && failed.as_ref().is_none_or(|(f, _)| i < f)
                 {
                     failed = Some((*i, e));
@@ -513,6 +521,40 @@ impl Artifact {
             at = end;
         }
         Ok(())
+    }
+
+    /// Small tensor `t` (at `index` in the caller's list), lossless with an XXH3-128
+    /// digest: decoded [`LANE_PIECE`] at a time (see [`Running::produce`]),
+    /// each piece's blocks checked against their digests first with `blocks`, into one
+    /// buffer from `pool` that stays in the cache while `sink` and the digest read it
+    /// (decoded whole, the tensors' fresh buffers were most of `verify`'s page faults),
+    /// then the digest checked.
+    fn stream_small(
+        &self,
+        index: usize,
+        t: &TensorRecipe,
+        blocks: bool,
+        sink: &(impl Fn(usize, u64, &[u8]) -> Result<()> + Sync),
+        pool: &Pool,
+        scratch: &Pool,
+    ) -> Result<()> {
+        let mut r = self.start(index, t, 0)?;
+        let mut buf = pool.take();
+        let mut x = Xxh3::new();
+        let mut piece = || -> Result<()> {
+            loop {
+                let (at, last) = r.produce(LANE_PIECE, blocks, &mut buf, scratch)?;
+                sink(index, at, &buf)?;
+                x.update(&buf);
+                if last {
+                    return Ok(());
+                }
+            }
+        };
+        let streamed = piece();
+        pool.give(buf);
+        streamed?;
+        whole_digest(t, &xxh3_128_hex(x.digest128()))
     }
 
     /// A small tensor's decoded bytes, whole: a dense one's in the file's map, a lossless
