@@ -187,7 +187,23 @@ impl Entry {
 /// risk is another program truncating or editing a file in place while it is read: the
 /// process would then fault (SIGBUS) instead of reporting an error. That is the trade
 /// every memory-mapping reader (safetensors, candle) makes for not copying weights.
-pub struct Mapped(Option<memmap2::Mmap>);
+pub struct Mapped(Held);
+
+/// What a [`Mapped`] holds.
+enum Held {
+    /// No bytes.
+    Empty,
+    /// A map of the file's range.
+    Map(memmap2::Mmap),
+    /// A tensor of at most [`READ_BELOW`] bytes, read: cheaper than a map.
+    Read(Vec<u8>),
+}
+
+/// Tensors of at most this many bytes are read, not mapped: a map costs two system
+/// calls, a page fault and, on a process with several threads, a TLB shootdown on every
+/// other core when it goes, more than copying a few pages (MiniLM's norms and biases are
+/// 65 of its artifact's 104 entries).
+const READ_BELOW: usize = 16 << 10;
 
 impl Mapped {
     #[allow(unsafe_code)]
@@ -200,14 +216,18 @@ impl Mapped {
                 .len(len)
                 .map(file)?
         };
-        Ok(Self(Some(map)))
+        Ok(Self(Held::Map(map)))
     }
 }
 
 impl std::ops::Deref for Mapped {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        self.0.as_deref().unwrap_or(&[])
+        match &self.0 {
+            Held::Empty => &[],
+            Held::Map(m) => m,
+            Held::Read(v) => v,
+        }
     }
 }
 
@@ -508,6 +528,7 @@ impl SafetensorsFile {
     /// One tensor's bytes in place, memory-mapped: nothing is read until it is used, and
     /// the pages go when the [`Mapped`] is dropped (a map per tensor, so a process
     /// reading a checkpoint a tensor at a time holds one tensor's pages, not the file's).
+    /// A tensor of at most 16 KiB is read instead (a copy costs less than a map).
     ///
     /// # Errors
     /// [`Error::Io`], and [`Error::NotSafetensors`] when the file is now shorter than
@@ -519,7 +540,25 @@ impl SafetensorsFile {
             .checked_add(e.begin)
             .ok_or_else(|| bad(&self.path, "tensor offset overflows"))?;
         if len == 0 {
-            return Ok(Mapped(None));
+            return Ok(Mapped(Held::Empty));
+        }
+        if len <= READ_BELOW {
+            // a file cut short since it was opened ends the read early: an error
+            let mut v = vec![0; len];
+            read_exact_at(&self.file, &mut v, at).map_err(|err| {
+                if err.kind() == std::io::ErrorKind::UnexpectedEof {
+                    bad(
+                        &self.path,
+                        format!(
+                            "tensor `{}` runs past the end of the file (it changed)",
+                            e.name
+                        ),
+                    )
+                } else {
+                    io(&self.path)(err)
+                }
+            })?;
+            return Ok(Mapped(Held::Read(v)));
         }
         // the length was checked against the file's size at open; a file cut short since
         // would fault on access instead of failing here
@@ -698,9 +737,8 @@ fn alive(pid: u32) -> Option<bool> {
         .then(|| proc.join(pid.to_string()).exists())
 }
 
-/// Removes `dest`'s stale temporaries: siblings named `.{name}.tmp-{pid}` (the name
-/// [`AtomicFile`] gives them) whose process is gone, such as those of a run killed with
-/// SIGKILL. Nothing else is touched, and nothing where liveness cannot be told.
+/// `read_exact_at` on any platform: `buf` filled from `offset`, or an error
+/// (`UnexpectedEof` where the file ends first).
 #[cfg(unix)]
 fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::read_exact_at(f, buf, offset)
@@ -720,6 +758,9 @@ fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Removes `dest`'s stale temporaries: siblings named `.{name}.tmp-{pid}` (the name
+/// [`AtomicFile`] gives them) whose process is gone, such as those of a run killed with
+/// SIGKILL. Nothing else is touched, and nothing where liveness cannot be told.
 fn remove_stale(dest: &Path, name: &str) {
     let dir = match dest.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
