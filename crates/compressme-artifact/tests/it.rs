@@ -1633,6 +1633,15 @@ fn write_lanes_sample(
             weights(rows * cols, 40 + i as u64),
         ));
     }
+    // one under a piece but over the 512 KiB a small tensor streams by (version 4): read
+    // in several pieces
+    let rows = piece_rows / 2 + 37;
+    tensors.push((
+        "medium.weight".to_string(),
+        Dtype::F32,
+        vec![rows, cols],
+        weights(rows * cols, 50),
+    ));
     for i in 0..6 {
         tensors.push((
             format!("small.{i}.weight"),
@@ -1674,7 +1683,7 @@ fn flip_in_blocks(raw: &mut [u8], a: &Artifact, name: &str) {
 }
 
 /// Both kinds of whole-tensor digest: SHA-256s (version 2) hashed in lockstep, XXH3-128s
-/// (version 4) lane by lane.
+/// (version 4) lane by lane, and a small tensor's streamed a piece at a time.
 #[test]
 fn tensors_read_side_by_side_give_the_same_bytes_on_any_thread_count() {
     lanes_case(WholeDigest::Sha256, "lanes-sha256");
@@ -1715,7 +1724,7 @@ fn lanes_case(digest: WholeDigest, dir: &str) {
                 a.verify_with(progress)
             }
             .unwrap();
-            assert_eq!((s.tensors, s.lossless, s.dense), (12, 11, 1));
+            assert_eq!((s.tensors, s.lossless, s.dense), (13, 12, 1));
             seen.sort();
             assert_eq!(
                 seen, want,
@@ -1723,7 +1732,7 @@ fn lanes_case(digest: WholeDigest, dir: &str) {
             );
         }
         let s = pool(threads).install(|| a.verify()).unwrap();
-        assert_eq!((s.tensors, s.lossless, s.dense), (12, 11, 1));
+        assert_eq!((s.tensors, s.lossless, s.dense), (13, 12, 1));
         let out = d.join(format!("out{threads}.safetensors"));
         let mut seen = Vec::new();
         pool(threads)
@@ -1760,10 +1769,14 @@ fn lanes_case(digest: WholeDigest, dir: &str) {
     flip_in_blocks(&mut both, &a, "small.4.weight");
     let mut small = raw.clone();
     flip_in_blocks(&mut small, &a, "small.4.weight");
+    // seven eighths of the way into its blocks: in a later piece than the first
+    let mut medium = raw.clone();
+    flip_in_blocks(&mut medium, &a, "medium.weight");
     for (bytes, named) in [
         (&one, "large.2.weight"),
         (&both, "large.2.weight"),
         (&small, "small.4.weight"),
+        (&medium, "medium.weight"),
     ] {
         let bad = d.join("bad.cma");
         std::fs::write(&bad, bytes).unwrap();
@@ -1787,8 +1800,9 @@ fn lanes_case(digest: WholeDigest, dir: &str) {
         }
     }
     // the recipe re-sealed with a wrong whole-tensor digest for a large tensor (read in
-    // lanes) and for a small one (read four at a time): each named
-    for name in ["large.2.weight", "small.4.weight"] {
+    // lanes), a small one (read four at a time) and one a small tensor's pieces stream
+    // (with XXH3): each named
+    for name in ["large.2.weight", "small.4.weight", "medium.weight"] {
         let bad = d.join("bad-digest.cma");
         reseal(&path, &bad, |r| {
             let t = r.tensors.iter_mut().find(|t| t.name == name).unwrap();
