@@ -179,7 +179,8 @@ impl Entry {
     }
 }
 
-/// A tensor's bytes memory-mapped from its file, read-only ([`SafetensorsFile::map`]).
+/// A tensor's bytes memory-mapped from its file, read-only ([`SafetensorsFile::map`]), or
+/// read into memory when at most [`READ_BELOW`] bytes.
 ///
 /// The one place this crate uses `unsafe`: a map is only sound while no one else
 /// shrinks or rewrites the file. Artifacts and checkpoints are written to a temporary
@@ -542,18 +543,21 @@ impl SafetensorsFile {
         if len == 0 {
             return Ok(Mapped(Held::Empty));
         }
+        let past_end = || {
+            bad(
+                &self.path,
+                format!(
+                    "tensor `{}` runs past the end of the file (it changed)",
+                    e.name
+                ),
+            )
+        };
         if len <= READ_BELOW {
             // a file cut short since it was opened ends the read early: an error
             let mut v = vec![0; len];
             read_exact_at(&self.file, &mut v, at).map_err(|err| {
                 if err.kind() == std::io::ErrorKind::UnexpectedEof {
-                    bad(
-                        &self.path,
-                        format!(
-                            "tensor `{}` runs past the end of the file (it changed)",
-                            e.name
-                        ),
-                    )
+                    past_end()
                 } else {
                     io(&self.path)(err)
                 }
@@ -564,13 +568,7 @@ impl SafetensorsFile {
         // would fault on access instead of failing here
         let size = self.file.metadata().map_err(io(&self.path))?.len();
         if at.checked_add(e.len()).is_none_or(|end| end > size) {
-            return Err(bad(
-                &self.path,
-                format!(
-                    "tensor `{}` runs past the end of the file (it changed)",
-                    e.name
-                ),
-            ));
+            return Err(past_end());
         }
         Mapped::new(&self.file, at, len).map_err(io(&self.path))
     }

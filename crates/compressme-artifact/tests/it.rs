@@ -1085,6 +1085,54 @@ fn mapped_reads_equal_copied_reads() {
     std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }
 
+/// A file cut short after it was opened: a tensor past the new end is an error naming
+/// it, whether it is read (16 KiB or less) or mapped; the tensors before the cut still read.
+#[test]
+fn a_file_cut_short_after_opening_is_an_error() {
+    use compressme_artifact::SafetensorsFile;
+    let d = tmp("cut-short");
+    let path = d.join("m.safetensors");
+    let (large, small) = (weights(16384, 3), weights(256, 4));
+    let f32s = safetensors::Dtype::F32;
+    // in the file in this order: the small tensor last
+    safetensors::serialize_to_file(
+        vec![
+            (
+                "a.large".to_string(),
+                safetensors::tensor::TensorView::new(f32s, vec![16384], &large).unwrap(),
+            ),
+            (
+                "b.small".to_string(),
+                safetensors::tensor::TensorView::new(f32s, vec![256], &small).unwrap(),
+            ),
+        ],
+        None,
+        &path,
+    )
+    .unwrap();
+    let f = SafetensorsFile::open(&path, &Limits::default()).unwrap();
+    let entry = |n: &str| f.entry(n).unwrap().clone();
+    assert!(*f.map(&entry("a.large")).unwrap() == *large);
+    assert!(*f.map(&entry("b.small")).unwrap() == *small);
+    let len = std::fs::metadata(&path).unwrap().len();
+    let cut = |to: u64| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(to)
+            .unwrap();
+    };
+    cut(len - 8);
+    let e = f.map(&entry("b.small")).unwrap_err().to_string();
+    assert!(e.contains("b.small") && e.contains("past the end"), "{e}");
+    assert!(*f.map(&entry("a.large")).unwrap() == *large);
+    cut(len - small.len() as u64 - 8);
+    let e = f.map(&entry("a.large")).unwrap_err().to_string();
+    assert!(e.contains("a.large") && e.contains("past the end"), "{e}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// A writer that reserves the header's room writes each payload once, straight into the
 /// artifact: with the room `header_room` gives, the header is padded into it; with too
 /// little room, the payloads move up. Either way the file opens, verifies and holds the
