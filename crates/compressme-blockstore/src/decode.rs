@@ -269,6 +269,13 @@ impl<'s> Decoder<'s> {
     fn decode_group(&mut self, first: usize, sizes: &[usize], out: &mut [u8]) -> Result<()> {
         let s = self.store;
         let rb = s.row_bytes;
+        // every slot's region at once, in fresh zeroed space rather than grown slot by slot
+        // with zeros written: the allocator's pages are only faulted in where a coded plane
+        // is decoded (a raw plane is read in place and never touches its region)
+        let need = sizes.len().saturating_mul(s.block_rows.saturating_mul(rb));
+        if self.scratch.len() < need {
+            self.scratch = vec![0; need];
+        }
         let mut srcs = Vec::with_capacity(sizes.len());
         let mut failed = None;
         self.deferred = Some(Vec::new());
