@@ -17,9 +17,9 @@
 //!   (version 3, which records the source file's header:
 //!   [`Writer::set_source_header`]) the source file itself, byte for byte.
 //! - [`Checkpoint`] reads any safetensors checkpoint (one file, a folder, or shards
-//!   through the index JSON) a tensor at a time, each memory-mapped ([`Mapped`]: the
-//!   crate's only `unsafe`, with what it assumes written beside it); artifacts are read
-//!   the same way, block stores in place.
+//!   through the index JSON) a tensor at a time, each memory-mapped (or read, at 16 KiB
+//!   or less) ([`Mapped`]: the crate's only `unsafe`, with what it assumes written beside
+//!   it); artifacts are read the same way, block stores in place.
 //!
 //! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1, 2, 3 and 4": this
 //! build writes version 4 when lossless tensors record XXH3-128 whole-tensor digests,
