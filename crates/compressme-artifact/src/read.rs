@@ -162,7 +162,7 @@ impl Artifact {
     }
 
     fn read_entry(&self, name: &str) -> Result<Vec<u8>> {
-        Ok(self.map_entry(name)?.to_vec())
+        Ok(self.map_entry(name)?.into_vec())
     }
 
     fn map_entry(&self, name: &str) -> Result<Mapped> {

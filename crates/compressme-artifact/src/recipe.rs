@@ -163,6 +163,16 @@ impl TensorRecipe {
         }
     }
 
+    /// [`TensorRecipe::whole_digest`] of a lossless tensor, `None` for any other: what
+    /// decides an artifact's version (a writer's lossless tensors share one kind) and how
+    /// a reader streams the tensor.
+    pub(crate) fn lossless_whole_digest(&self) -> Option<WholeDigest> {
+        match self.storage {
+            StorageRecipe::Lossless { .. } => self.whole_digest(),
+            StorageRecipe::Dense | StorageRecipe::Quant { .. } => None,
+        }
+    }
+
     /// Whether `hex` (of the digest [`TensorRecipe::whole_digest`] names) is the one the
     /// recipe records.
     pub(crate) fn whole_is(&self, hex: &str) -> bool {

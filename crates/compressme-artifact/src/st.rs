@@ -192,11 +192,9 @@ pub struct Mapped(Held);
 
 /// What a [`Mapped`] holds.
 enum Held {
-    /// No bytes.
-    Empty,
     /// A map of the file's range.
     Map(memmap2::Mmap),
-    /// A tensor of at most [`READ_BELOW`] bytes, read: cheaper than a map.
+    /// A tensor of at most [`READ_BELOW`] bytes (none, too), read: cheaper than a map.
     Read(Vec<u8>),
 }
 
@@ -219,13 +217,21 @@ impl Mapped {
         };
         Ok(Self(Held::Map(map)))
     }
+
+    /// The bytes as an owned buffer: a read tensor's own, a mapped one's copied.
+    #[must_use]
+    pub fn into_vec(self) -> Vec<u8> {
+        match self.0 {
+            Held::Map(m) => m.to_vec(),
+            Held::Read(v) => v,
+        }
+    }
 }
 
 impl std::ops::Deref for Mapped {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match &self.0 {
-            Held::Empty => &[],
             Held::Map(m) => m,
             Held::Read(v) => v,
         }
@@ -523,7 +529,7 @@ impl SafetensorsFile {
     /// # Errors
     /// [`Error::Io`].
     pub fn read(&self, e: &Entry) -> Result<Vec<u8>> {
-        Ok(self.map(e)?.to_vec())
+        Ok(self.map(e)?.into_vec())
     }
 
     /// One tensor's bytes in place, memory-mapped: nothing is read until it is used, and
@@ -540,9 +546,6 @@ impl SafetensorsFile {
             .data_start
             .checked_add(e.begin)
             .ok_or_else(|| bad(&self.path, "tensor offset overflows"))?;
-        if len == 0 {
-            return Ok(Mapped(Held::Empty));
-        }
         let past_end = || {
             bad(
                 &self.path,

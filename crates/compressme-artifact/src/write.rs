@@ -881,9 +881,9 @@ impl Writer {
     pub fn finish(self) -> Result<Summary> {
         // one whole-tensor digest for the lossless tensors: the version says which
         let lossless_with = |d: WholeDigest| {
-            self.tensors.iter().any(|t| {
-                matches!(t.storage, StorageRecipe::Lossless { .. }) && t.whole_digest() == Some(d)
-            })
+            self.tensors
+                .iter()
+                .any(|t| t.lossless_whole_digest() == Some(d))
         };
         if lossless_with(WholeDigest::Xxh3) && lossless_with(WholeDigest::Sha256) {
             return Err(Error::Invalid {

@@ -63,14 +63,6 @@ fn min_blocks(block_bytes: usize) -> usize {
         .max(1)
 }
 
-/// Whether a small tensor streams a piece at a time ([`Artifact::stream_small`]) rather
-/// than being read whole: a lossless one whose whole-tensor digest is XXH3-128 (version 4),
-/// which needs no lockstep with other tensors.
-fn streams_small(t: &TensorRecipe) -> bool {
-    matches!(t.storage, StorageRecipe::Lossless { .. })
-        && t.whole_digest() == Some(WholeDigest::Xxh3)
-}
-
 /// Stored bytes of the small tensors' groups in flight at once (one group at least): enough
 /// to keep two cores busy, few enough that the groups' buffers are reused.
 const SMALL_BYTES: u64 = 4 * STREAM_PIECE as u64;
@@ -457,7 +449,7 @@ impl Artifact {
             let read: Vec<Result<Option<Whole>>> = g
                 .par_iter()
                 .map(|&i| match ts.get(i) {
-                    Some(t) if streams_small(t) => self
+                    Some(t) if t.lossless_whole_digest() == Some(WholeDigest::Xxh3) => self
                         .stream_small(i, t, blocks, sink, &pool, &scratch)
                         .map(|()| None),
                     Some(t) => self.read_whole(t, blocks, &pool, &scratch).map(Some),
