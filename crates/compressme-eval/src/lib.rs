@@ -4,7 +4,9 @@
 //! comparisons of two variants on the same targets (bootstrap interval, sign test).
 //!
 //! Models enter as a closure from token ids to next-token logits, so any family (and any
-//! storage) can be scored; the crate holds no model code.
+//! storage) can be scored; the crate holds no model code. The closure is told which rows
+//! (positions of the window) are scored, and returns only those: with overlapping windows
+//! the rest are context, and a model need not run its output head on them.
 //!
 //! Also: [`time`] (warm-up, raw samples, units actually produced), [`peak_rss_bytes`],
 //! [`reset_peak_rss`] and [`current_rss_bytes`]; [`median`] and [`cosine`], used across
@@ -20,9 +22,9 @@
 //! ```
 //! use compressme_eval::{Window, score_documents};
 //!
-//! // a "model" that always predicts token 1 with probability ~1
-//! let logits = |ids: &[u32]| -> Result<Vec<Vec<f32>>, String> {
-//!     Ok(ids.iter().map(|_| vec![0.0, 30.0, 0.0]).collect())
+//! // a "model" that always predicts token 1 with probability ~1, at the rows asked for
+//! let logits = |_ids: &[u32], rows: std::ops::Range<usize>| -> Result<Vec<Vec<f32>>, String> {
+//!     Ok(rows.map(|_| vec![0.0, 30.0, 0.0]).collect())
 //! };
 //! let docs = vec![vec![1u32, 1, 1, 1, 1], vec![0, 1, 1]];
 //! let s = score_documents(&docs, Window { len: 3, stride: 2 }, false, logits)?;
@@ -67,6 +69,10 @@ pub enum Error {
 
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Rows of a window: `rows.start..rows.end` index its positions, and row `i` holds the
+/// next-token logits after position `i` (the distribution of token `i + 1`).
+pub type Rows = std::ops::Range<usize>;
 
 /// Overlapping windows: `len` tokens each, starting every `stride` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,8 +151,10 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
 /// Scores every target of every document exactly once (positions `1..n`; the first token
 /// has no context). Windows of `window.len` tokens start every [`Window::step`] tokens;
 /// each target is taken from the first window that predicts it and has not been counted,
-/// so its context is as long as the window allows. `logits(ids)` returns, for each
-/// position of `ids`, the logits of the next token.
+/// so its context is as long as the window allows. `logits(ids, rows)` returns, for each
+/// position of `ids` in `rows`, the logits of the next token: the rows the window's
+/// targets need (see [`Rows`]; the positions before them are context only, and so is the
+/// window's last).
 ///
 /// # Errors
 /// [`Error::Invalid`] for a bad window or logits of the wrong shape, [`Error::Model`]
@@ -155,14 +163,14 @@ pub fn score_documents(
     docs: &[Vec<u32>],
     window: Window,
     keep_distributions: bool,
-    mut logits: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+    mut logits: impl FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
 ) -> Result<Scored> {
     let mut tokens = Vec::new();
     let mut distributions = Vec::new();
     for_each_target(
         docs,
         window,
-        |ids| logits(ids).map(|rows| (rows, ())),
+        |ids, rows| logits(ids, rows).map(|out| (out, ())),
         |_, _, lp, _, ()| {
             Ok(keep_distributions.then(|| lp.iter().map(|&v| v as f32).collect::<Vec<f32>>()))
         },
@@ -183,16 +191,17 @@ pub fn score_documents(
 const SCORE_CHUNK: usize = 16;
 
 /// The windows [`score_documents`] runs, and for each the rows it counts: calls
-/// `run(ids)` once a window (returning its logit rows and anything else the caller
-/// needs), then, for every target that window scores, `prepare(k, &score, log_probs, row,
-/// extra)` (`k` counting the targets from 0) and `take(score, prepared)`. The
+/// `run(ids, rows)` once a window (returning the logit rows `rows` of it, the ones its
+/// targets need, and anything else the caller needs), then, for every target that window
+/// scores, `prepare(k, &score, log_probs, row, extra)` (`k` counting the targets from 0,
+/// `row` the target's index among the rows returned) and `take(score, prepared)`. The
 /// log-softmaxes and `prepare` run on rayon's threads, [`SCORE_CHUNK`] targets at a time;
 /// `take` runs on the caller's thread, in the targets' order, and the first error in that
 /// order is returned: the results do not depend on the thread count.
 fn for_each_target<X: Sync, P: Send>(
     docs: &[Vec<u32>],
     window: Window,
-    mut run: impl FnMut(&[u32]) -> std::result::Result<(Vec<Vec<f32>>, X), String>,
+    mut run: impl FnMut(&[u32], Rows) -> std::result::Result<(Vec<Vec<f32>>, X), String>,
     prepare: impl Fn(usize, &TokenScore, &[f64], usize, &X) -> Result<P> + Sync,
     mut take: impl FnMut(TokenScore, P) -> Result<()>,
 ) -> Result<()> {
@@ -213,24 +222,30 @@ fn for_each_target<X: Sync, P: Send>(
         while counted < n {
             let end = (start + window.len).min(n);
             let ids = doc.get(start..end).unwrap_or(&[]);
-            let (out, extra) = run(ids).map_err(|message| Error::Model {
+            // the targets this window scores, and the rows that predict them (row `i`
+            // predicts position `start + i + 1`); the rows before are context only
+            let positions: Vec<usize> = (counted.max(start + 1)..end).collect();
+            let first = counted.max(start + 1) - 1 - start;
+            let rows = first..first + positions.len();
+            let (out, extra) = run(ids, rows.clone()).map_err(|message| Error::Model {
                 doc: d,
                 start,
                 message,
             })?;
-            if out.len() != ids.len() {
+            if out.len() != rows.len() {
                 return Err(Error::Invalid(format!(
-                    "document {d}: {} logit rows for {} tokens",
+                    "document {d}: {} logit rows where rows {}..{} of {} tokens were asked for",
                     out.len(),
+                    rows.start,
+                    rows.end,
                     ids.len()
                 )));
             }
-            let positions: Vec<usize> = (counted.max(start + 1)..end).collect();
             for chunk in positions.chunks(SCORE_CHUNK) {
                 let k0 = k;
                 let one = |(i, &position): (usize, &usize)| -> Result<(TokenScore, P)> {
-                    let row = position - 1 - start;
-                    // both exist: `out` has a row per id, and `position < end <= n`
+                    let row = position - 1 - start - first;
+                    // both exist: `out` has a row per position scored, and `position < end <= n`
                     let (Some(logits), Some(&target)) = (out.get(row), doc.get(position)) else {
                         return Err(Error::Invalid(format!(
                             "document {d}: no logits for position {position}"
@@ -292,22 +307,23 @@ pub struct PairScored {
 /// Scores `variant` and `reference` on the same windows of the same documents, as
 /// [`score_documents`] would, and computes [`shift`] window by window without keeping
 /// any distribution (a vocabulary of 50,000 over thousands of targets would take
-/// gigabytes). `reference(ids)` and `variant(ids)` return next-token logits per position.
+/// gigabytes). `reference(ids, rows)` and `variant(ids, rows)` return next-token logits at
+/// the rows asked for, as in [`score_documents`].
 ///
 /// # Errors
 /// As [`score_documents`], for either model; logits of different widths.
 pub fn score_pair(
     docs: &[Vec<u32>],
     window: Window,
-    mut reference: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
-    mut variant: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+    mut reference: impl FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
+    mut variant: impl FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
 ) -> Result<PairScored> {
     let (mut rt, mut vt) = (Vec::new(), Vec::new());
     let mut acc = ShiftAcc::default();
     for_each_target(
         docs,
         window,
-        |ids| Ok((reference(ids)?, variant(ids)?)),
+        |ids, rows| Ok((reference(ids, rows.clone())?, variant(ids, rows)?)),
         |_, t, lp_ref, row, rows| {
             let Some(q_logits) = rows.get(row) else {
                 return Err(Error::Invalid("variant returned too few rows".into()));
@@ -367,7 +383,7 @@ pub fn score_against(
     docs: &[Vec<u32>],
     window: Window,
     reference: &Scored,
-    mut variant: impl FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+    mut variant: impl FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
 ) -> Result<(Scored, Shift)> {
     if reference.distributions.len() != reference.tokens.len() {
         return Err(Error::Invalid(
@@ -379,7 +395,7 @@ pub fn score_against(
     for_each_target(
         docs,
         window,
-        |ids| variant(ids).map(|rows| (rows, ())),
+        |ids, rows| variant(ids, rows).map(|out| (out, ())),
         |k, t, lq, _, ()| {
             let (Some(r), Some(p)) = (reference.tokens.get(k), reference.distributions.get(k))
             else {

@@ -5,15 +5,17 @@
 use std::cell::RefCell;
 
 use candle_core::Device;
-use compressme_eval::{Error, Window, paired, score_documents, shift, sign_test};
+use compressme_eval::{Error, Rows, Window, paired, score_documents, shift, sign_test};
 
-/// A fake model over a vocabulary of 50 whose logits encode the context length.
+/// A fake model over a vocabulary of 50 that predicts token `t + 1` after token `t`, at
+/// the rows asked for; it records each call's ids and rows.
+#[allow(clippy::type_complexity)]
 fn fake(
-    calls: &RefCell<Vec<Vec<u32>>>,
-) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> + '_ {
-    move |ids: &[u32]| {
-        calls.borrow_mut().push(ids.to_vec());
-        Ok(ids
+    calls: &RefCell<Vec<(Vec<u32>, Rows)>>,
+) -> impl FnMut(&[u32], Rows) -> Result<Vec<Vec<f32>>, String> + '_ {
+    move |ids: &[u32], rows: Rows| {
+        calls.borrow_mut().push((ids.to_vec(), rows.clone()));
+        Ok(ids[rows]
             .iter()
             .map(|&t| {
                 (0..50)
@@ -81,14 +83,21 @@ fn every_target_is_scored_once_with_the_longest_context_the_window_allows() {
                 // the fake model predicts every target: probability e^5 / (e^5 + 49)
                 let p = 5f64.exp() / (5f64.exp() + 49.0);
                 assert!(n < 2 || (s.mean_nll() + p.ln()).abs() < 1e-9);
-                // every call is a slice of a document, no longer than the window
-                assert!(calls.borrow().iter().all(|c| c.len() <= len
+                // every call is a slice of a document, no longer than the window (the
+                // fake predicts each target from its row: a row off by one would miss
+                // every target, and the mean NLL above would not be the fake's)
+                assert!(calls.borrow().iter().all(|(c, _)| c.len() <= len
                     && (c.is_empty() || doc.windows(c.len()).any(|w| w == &c[..]))));
+                // and asks for the rows its targets need, no more: one a target
+                let asked: usize = calls.borrow().iter().map(|(_, r)| r.len()).sum();
+                assert_eq!(asked, s.tokens.len(), "n {n} len {len} stride {stride}");
+                // the window's last row predicts a token past it: never asked for
+                assert!(calls.borrow().iter().all(|(c, r)| r.end < c.len()));
             }
         }
     }
     for bad in [Window { len: 1, stride: 1 }, Window { len: 4, stride: 0 }] {
-        let r = score_documents(&[vec![1, 2]], bad, false, |_| Ok(vec![]));
+        let r = score_documents(&[vec![1, 2]], bad, false, |_, _| Ok(vec![]));
         let ok = matches!(r, Err(Error::Invalid(_)));
         assert!(ok, "{bad:?} accepted");
     }
@@ -97,11 +106,11 @@ fn every_target_is_scored_once_with_the_longest_context_the_window_allows() {
 #[test]
 fn errors_name_the_document_and_position() {
     let docs = vec![vec![1u32, 2, 3], vec![4, 5, 6, 7, 8, 9]];
-    let e = score_documents(&docs, Window { len: 3, stride: 2 }, false, |ids| {
+    let e = score_documents(&docs, Window { len: 3, stride: 2 }, false, |ids, rows| {
         if ids.first() == Some(&6) {
             Err("boom".into())
         } else {
-            Ok(ids.iter().map(|_| vec![0.0; 10]).collect())
+            Ok(rows.map(|_| vec![0.0; 10]).collect())
         }
     })
     .unwrap_err();
@@ -114,8 +123,8 @@ fn errors_name_the_document_and_position() {
         }
     );
     assert!(ok, "{e}");
-    let e = score_documents(&docs, Window { len: 8, stride: 4 }, false, |ids| {
-        Ok(ids
+    let e = score_documents(&docs, Window { len: 8, stride: 4 }, false, |ids, rows| {
+        Ok(ids[rows]
             .iter()
             .map(|&t| {
                 if t == 7 {
@@ -136,6 +145,24 @@ fn errors_name_the_document_and_position() {
         }
     );
     assert!(ok, "{e}");
+}
+
+/// A model that returns a row for every position of the window, not the rows asked for,
+/// is refused by name, before anything is scored from rows that do not line up.
+#[test]
+fn rows_other_than_those_asked_for_are_refused() {
+    let docs = vec![(0..20u32).collect::<Vec<u32>>()];
+    let window = Window { len: 8, stride: 4 };
+    let every_row = |ids: &[u32], _: Rows| Ok(ids.iter().map(|_| vec![0.0f32; 20]).collect());
+    let e = score_documents(&docs, window, false, every_row).unwrap_err();
+    let ok =
+        matches!(&e, Error::Invalid(m) if m.contains("8 logit rows where rows 0..7 of 8 tokens"));
+    assert!(ok, "{e}");
+    // the first window asks for rows 0..7 (its last row predicts a token past it)
+    let calls = RefCell::new(Vec::new());
+    score_documents(&docs, window, false, fake(&calls)).unwrap();
+    let rows: Vec<Rows> = calls.borrow().iter().map(|(_, r)| r.clone()).collect();
+    assert_eq!(rows, vec![0..7, 3..7, 3..7, 3..7]);
 }
 
 #[test]
@@ -169,8 +196,10 @@ fn paired_comparisons_and_the_sign_test() {
     assert!(paired(&a, &b[..3], 10, 1).is_err());
 }
 
-fn logits(m: &compressme_nn::CausalLm) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> + '_ {
-    move |ids: &[u32]| m.logit_rows(ids).map_err(|e| e.to_string())
+fn logits(
+    m: &compressme_nn::CausalLm,
+) -> impl FnMut(&[u32], Rows) -> Result<Vec<Vec<f32>>, String> + '_ {
+    move |ids: &[u32], rows: Rows| m.logit_rows_at(ids, rows).map_err(|e| e.to_string())
 }
 
 #[test]
@@ -322,9 +351,9 @@ fn peak_memory_can_be_reset_between_stages() {
 }
 
 /// Logits that depend on the whole context, so every target's distribution differs.
-fn mixed(scale: f32) -> impl FnMut(&[u32]) -> Result<Vec<Vec<f32>>, String> {
-    move |ids: &[u32]| {
-        Ok((0..ids.len())
+fn mixed(scale: f32) -> impl FnMut(&[u32], Rows) -> Result<Vec<Vec<f32>>, String> {
+    move |ids: &[u32], rows: Rows| {
+        Ok(rows
             .map(|i| {
                 let h = ids[..=i]
                     .iter()
@@ -383,11 +412,9 @@ fn scores_do_not_depend_on_the_thread_count() {
         .build()
         .unwrap()
         .install(|| {
-            score_documents(&docs, window, false, |ids| {
-                Ok(ids
-                    .iter()
-                    .enumerate()
-                    .map(|(i, _)| {
+            score_documents(&docs, window, false, |_, rows| {
+                Ok(rows
+                    .map(|i| {
                         if i == 5 || i == 9 {
                             vec![f32::NAN; 300]
                         } else {

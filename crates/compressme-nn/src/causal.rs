@@ -444,8 +444,23 @@ impl CausalLm {
     /// # Errors
     /// As [`CausalLm::forward`].
     pub fn logit_rows(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.logit_rows_at(ids, 0..ids.len())
+    }
+
+    /// The rows `rows` of [`CausalLm::logit_rows`] (what evaluation asks for: the
+    /// positions a window scores). The model is small: the forward pass runs whole.
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`]; rows past the sequence.
+    pub fn logit_rows_at(
+        &self,
+        ids: &[u32],
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<Vec<f32>>> {
+        crate::ops::check_rows(&rows, ids.len())?;
         let t = Tensor::new(ids, self.pos.device())?.unsqueeze(0)?;
-        Ok(self.forward(&t)?.squeeze(0)?.to_vec2::<f32>()?)
+        let logits = self.forward(&t)?.squeeze(0)?;
+        Ok(logits.narrow(0, rows.start, rows.len())?.to_vec2::<f32>()?)
     }
 
     /// Per-token negative log-likelihood `[b, t]` of `targets` (u32) under `forward(ids)`.

@@ -74,6 +74,21 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, x.dims(), x.device())?)
 }
 
+/// `rows` is a range of the positions of a sequence of `n` (the rows of logits an
+/// evaluation window asks a model for).
+///
+/// # Errors
+/// [`crate::Error::Shape`] naming the range otherwise.
+pub(crate) fn check_rows(rows: &std::ops::Range<usize>, n: usize) -> Result<()> {
+    if rows.start > rows.end || rows.end > n {
+        return Err(crate::Error::Shape(format!(
+            "rows {}..{} of {n} positions",
+            rows.start, rows.end
+        )));
+    }
+    Ok(())
+}
+
 /// `x`'s elements as a `Vec<f32>` in row-major order, and its shape, for the one-pass
 /// operations below; `None` for other dtypes, which take candle's ops instead.
 fn f32_elements(x: &Tensor) -> Result<Option<Vec<f32>>> {

@@ -57,6 +57,7 @@ pub use report::{
 };
 pub use run::run;
 
+use compressme_eval::Rows;
 use compressme_nn::CausalConfig;
 use serde::{Deserialize, Serialize};
 
@@ -312,14 +313,16 @@ pub fn evaluate_causal(
     evaluate_logits(
         docs,
         window,
-        |ids: &[u32]| model.logit_rows(ids).map_err(|e| e.to_string()),
-        reference.map(|r| move |ids: &[u32]| r.logit_rows(ids).map_err(|e| e.to_string())),
+        |ids: &[u32], rows: Rows| model.logit_rows_at(ids, rows).map_err(|e| e.to_string()),
+        reference.map(|r| {
+            move |ids: &[u32], rows: Rows| r.logit_rows_at(ids, rows).map_err(|e| e.to_string())
+        }),
     )
 }
 
 /// Scores `model` on `docs` with `window`, and against `reference` when given (one pass
 /// over the windows, no distribution kept): any model whose next-token logits a closure
-/// returns.
+/// returns, at the rows of a window it is asked for (see [`compressme_eval::Rows`]).
 ///
 /// # Errors
 /// A model or non-finite failure naming the document and position; a bad window.
@@ -330,8 +333,8 @@ pub fn evaluate_logits<F, G>(
     reference: Option<G>,
 ) -> Result<CausalEvaluation>
 where
-    F: FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
-    G: FnMut(&[u32]) -> std::result::Result<Vec<Vec<f32>>, String>,
+    F: FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
+    G: FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
 {
     let Some(reference) = reference else {
         let s = compressme_eval::score_documents(docs, window, false, model)?;
@@ -410,8 +413,8 @@ pub fn evaluate_decoder(
     };
     progress.stage("windows", windows as u64);
     let docs = [ids.to_vec()];
-    let counted = |w: &[u32]| {
-        let r = model.logit_rows(w).map_err(|e| e.to_string());
+    let counted = |w: &[u32], rows: Rows| {
+        let r = model.logit_rows_at(w, rows).map_err(|e| e.to_string());
         progress.inc(1);
         r
     };
@@ -419,7 +422,9 @@ pub fn evaluate_decoder(
         &docs,
         window,
         counted,
-        reference.map(|r| move |w: &[u32]| r.logit_rows(w).map_err(|e| e.to_string())),
+        reference.map(|r| {
+            move |w: &[u32], rows: Rows| r.logit_rows_at(w, rows).map_err(|e| e.to_string())
+        }),
     )?;
     progress.done(&format!("{} targets in {windows} windows", e.targets));
     Ok(e)

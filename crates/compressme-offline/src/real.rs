@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use compressme_artifact::recipe::sha256_hex;
-use compressme_eval::{Scored, Timing, Window, score_against, score_documents, shift};
+use compressme_eval::{Rows, Scored, Timing, Window, score_against, score_documents, shift};
 use compressme_nn::decoder::{DECODER_CONFIG_KEY, DecoderConfig, LanguageModel, Layout};
 use compressme_nn::{Decoder, LlamaFormat, Model, ModuleKind};
 use compressme_plan::{Choice, Plan, Policy};
@@ -228,7 +228,8 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
     let load_seconds = t.elapsed().as_secs_f64();
     let t = Instant::now();
     if !req.window.is_empty() {
-        model.logits(&req.window)?;
+        // the rows the first window of an evaluation asks for: all but the last
+        model.logits(&req.window, 0..req.window.len() - 1)?;
     }
     let window_seconds = if req.window.is_empty() {
         0.0
@@ -273,8 +274,8 @@ pub fn measure_decoder_sensitivity(
         len: ids.len(),
         stride: ids.len(),
     };
-    let reference = score_documents(&docs, window, true, |w| {
-        model.logit_rows(w).map_err(|e| e.to_string())
+    let reference = score_documents(&docs, window, true, |w, rows| {
+        model.logit_rows_at(w, rows).map_err(|e| e.to_string())
     })?;
     let inputs = model.block_inputs(ids)?;
     compressme_profile::measure_sensitivity(
@@ -282,10 +283,10 @@ pub fn measure_decoder_sensitivity(
         profile,
         format,
         |m, name| {
-            let logits = |w: &[u32]| {
+            let logits = |w: &[u32], rows: Rows| {
                 match m.block_of(name).and_then(|b| Some((b, inputs.get(b)?))) {
-                    Some((b, x)) => m.logit_rows_from(b, x),
-                    None => m.logit_rows(w),
+                    Some((b, x)) => m.logit_rows_from(b, x, rows),
+                    None => m.logit_rows_at(w, rows),
                 }
                 .map_err(|e| e.to_string())
             };
@@ -680,7 +681,7 @@ pub fn run_real(
         let model = load_variant(&file, candle)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
         progress.inc(1);
-        let logits = |ids: &[u32]| model.logits(ids).map_err(|e| e.to_string());
+        let logits = |ids: &[u32], rows: Rows| model.logits(ids, rows).map_err(|e| e.to_string());
         let (scored, sh) = match &reference {
             None => {
                 let r = score_documents(&docs, window, true, logits)?;

@@ -297,8 +297,8 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
         let loaded = load(&p.spec, &file, &dev)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
         progress.inc(1);
-        let scored = score_documents(&eval_docs, window, true, |ids| {
-            loaded.logit_rows(ids).map_err(|e| e.to_string())
+        let scored = score_documents(&eval_docs, window, true, |ids, rows| {
+            loaded.logit_rows_at(ids, rows).map_err(|e| e.to_string())
         })?;
         let reference_scored = reference.get_or_insert_with(|| scored.clone());
         let sh = shift(reference_scored, &scored)?;

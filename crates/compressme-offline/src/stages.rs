@@ -10,7 +10,7 @@ use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use compressme_artifact::{Dtype, Writer, from_f32, recipe::sha256_hex};
 use compressme_blockstore::Coder;
-use compressme_eval::{Timing, paired};
+use compressme_eval::{Rows, Timing, paired};
 use compressme_nn::{CausalLm, Decoder, LlamaFormat, Model, ModuleMut};
 use compressme_plan::{Choice, Plan};
 use compressme_profile::Profile;
@@ -21,8 +21,9 @@ use crate::{Error, Progress, Result};
 /// A model the benchmarks can score, run and time: the synthetic causal model or a
 /// pretrained decoder.
 pub(crate) trait Lm: Model {
-    /// Next-token logits, a row per position of one sequence.
-    fn logits(&self, ids: &[u32]) -> compressme_nn::Result<Vec<Vec<f32>>>;
+    /// Next-token logits of one sequence at the positions `rows` (the rows an
+    /// evaluation window scores).
+    fn logits(&self, ids: &[u32], rows: Rows) -> compressme_nn::Result<Vec<Vec<f32>>>;
     /// One forward pass over a batch `[b, t]`.
     fn forward_batch(&self, ids: &Tensor) -> compressme_nn::Result<Tensor>;
     /// Greedy generation; how many tokens were produced.
@@ -30,8 +31,8 @@ pub(crate) trait Lm: Model {
 }
 
 impl Lm for CausalLm {
-    fn logits(&self, ids: &[u32]) -> compressme_nn::Result<Vec<Vec<f32>>> {
-        self.logit_rows(ids)
+    fn logits(&self, ids: &[u32], rows: Rows) -> compressme_nn::Result<Vec<Vec<f32>>> {
+        self.logit_rows_at(ids, rows)
     }
     fn forward_batch(&self, ids: &Tensor) -> compressme_nn::Result<Tensor> {
         self.forward(ids)
@@ -42,8 +43,8 @@ impl Lm for CausalLm {
 }
 
 impl Lm for Decoder {
-    fn logits(&self, ids: &[u32]) -> compressme_nn::Result<Vec<Vec<f32>>> {
-        self.logit_rows(ids)
+    fn logits(&self, ids: &[u32], rows: Rows) -> compressme_nn::Result<Vec<Vec<f32>>> {
+        self.logit_rows_at(ids, rows)
     }
     fn forward_batch(&self, ids: &Tensor) -> compressme_nn::Result<Tensor> {
         self.forward(ids)

@@ -143,13 +143,23 @@ fn logits_from_a_block_input_are_the_full_forwards() {
         let full = lm.model.logit_rows(&ids).unwrap();
         for (i, x) in inputs.iter().enumerate() {
             assert_eq!(
-                lm.model.logit_rows_from(i, x).unwrap(),
+                lm.model.logit_rows_from(i, x, 0..20).unwrap(),
                 full,
                 "{name}: from block {i}"
             );
+            assert_eq!(
+                lm.model.logit_rows_from(i, x, 9..19).unwrap(),
+                full[9..19],
+                "{name}: from block {i}, rows 9..19"
+            );
         }
-        let e = lm.model.logit_rows_from(blocks, &inputs[0]).unwrap_err();
+        let e = lm
+            .model
+            .logit_rows_from(blocks, &inputs[0], 0..20)
+            .unwrap_err();
         assert!(e.to_string().contains("block"), "{e}");
+        let e = lm.model.logit_rows_from(0, &inputs[0], 3..21).unwrap_err();
+        assert!(e.to_string().contains("rows 3..21 of 20"), "{e}");
         // a changed linear of block i is seen from block i's cached input, and only
         // there: the inputs up to it do not depend on it
         let last = lm
@@ -166,11 +176,34 @@ fn logits_from_a_block_input_are_the_full_forwards() {
         assert_ne!(changed, full, "{name}: {last} at int8 changes the logits");
         assert_eq!(
             lm.model
-                .logit_rows_from(blocks - 1, &inputs[blocks - 1])
+                .logit_rows_from(blocks - 1, &inputs[blocks - 1], 0..20)
                 .unwrap(),
             changed,
             "{name}: {last}"
         );
+    }
+}
+
+/// The rows an evaluation window asks for are the whole forward's rows, bit for bit:
+/// the final norm and the head work a position at a time, so running them on some
+/// positions only changes nothing else (in chunks of the head and across them).
+#[test]
+fn logits_at_some_rows_are_those_rows_of_the_full_forward() {
+    for name in FAMILIES {
+        let lm = open(name);
+        let ids: Vec<u32> = (0..60u32).map(|i| (i * 37 + 5) % 128).collect();
+        let full = lm.model.logit_rows(&ids).unwrap();
+        for rows in [0..59, 29..59, 10..12, 59..60, 0..1, 1..2, 7..7] {
+            assert_eq!(
+                lm.model.logit_rows_at(&ids, rows.clone()).unwrap(),
+                full[rows.clone()],
+                "{name}: rows {rows:?}"
+            );
+        }
+        for bad in [3..61, 61..61] {
+            let e = lm.model.logit_rows_at(&ids, bad).unwrap_err();
+            assert!(e.to_string().contains("of 60 positions"), "{e}");
+        }
     }
 }
 
