@@ -180,7 +180,7 @@ impl Entry {
 }
 
 /// A tensor's bytes memory-mapped from its file, read-only ([`SafetensorsFile::map`]), or
-/// read into memory when at most [`READ_BELOW`] bytes.
+/// read into memory when at most `READ_BELOW` (16 KiB).
 ///
 /// The one place this crate uses `unsafe`: a map is only sound while no one else
 /// shrinks or rewrites the file. Artifacts and checkpoints are written to a temporary

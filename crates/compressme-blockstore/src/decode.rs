@@ -73,7 +73,7 @@ struct Deferred {
 }
 
 /// Blocks [`Decoder::decode_blocks`] prepares side by side, so that their rANS planes
-/// decode together ([`crate::rans::TOGETHER`]); ranges of a multiple of this many
+/// decode together (six, the rANS decoder's `TOGETHER`); ranges of a multiple of this many
 /// blocks make the best tasks.
 pub const BLOCKS_TOGETHER: usize = crate::rans::TOGETHER;
 

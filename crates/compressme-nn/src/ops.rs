@@ -302,7 +302,7 @@ const QUERY_BLOCK: usize = 64;
 ///
 /// It computes what the plain chain of candle ops computes (one `q kᵀ` of every query
 /// against every key, a mask of `-inf`, softmax, `· v`), without its waste: queries go
-/// [`QUERY_BLOCK`] at a time, each block against only the keys its last query can see,
+/// 64 (`QUERY_BLOCK`) at a time, each block against only the keys its last query can see,
 /// so a window of 512 computes 56% of the full product; the softmax runs in place over
 /// the positions a query sees, one pass each for the maximum, the exponentials and the
 /// scaling, and the masked positions are zeros that are never exponentiated. The products
