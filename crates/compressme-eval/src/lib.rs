@@ -224,8 +224,9 @@ fn for_each_target<X: Sync, P: Send>(
             let ids = doc.get(start..end).unwrap_or(&[]);
             // the targets this window scores, and the rows that predict them (row `i`
             // predicts position `start + i + 1`); the rows before are context only
-            let positions: Vec<usize> = (counted.max(start + 1)..end).collect();
-            let first = counted.max(start + 1) - 1 - start;
+            let scored = counted.max(start + 1);
+            let positions: Vec<usize> = (scored..end).collect();
+            let first = scored - 1 - start;
             let rows = first..first + positions.len();
             let (out, extra) = run(ids, rows.clone()).map_err(|message| Error::Model {
                 doc: d,
