@@ -699,6 +699,107 @@ pub fn quantize_weighted(
     Ok(p)
 }
 
+/// GPTQ rounding (Frantar et al., 2022) for the integer formats: each row's weights are
+/// rounded one column at a time, and each column's rounding error, divided by its
+/// factor's diagonal, is taken off the columns after it in proportion to the factor's
+/// row (`U` with `Uᵀ U = (H + λI)⁻¹`), so that the layer's output on inputs with Gram
+/// matrix `gram` (`H = Σ x xᵀ` over calibration tokens, row-major `cols x cols`)
+/// changes as little as rounding allows. `damp` sets `λ` as a fraction of `H`'s mean
+/// diagonal (0.01 in the paper).
+///
+/// A group's scale (and INT4's minimum) is the one [`quantize`] gives the group's
+/// weights as they stand when its first column is reached, errors of earlier groups
+/// taken off; a per-row format's scale is the row's own, taken before any rounding.
+/// The layout, scales and codes are those of `format`, so anything that reads it reads
+/// this; only which code each weight gets differs. With a diagonal `gram` no error
+/// spreads and the result is [`quantize`]'s, bit for bit. F16 and BF16 have no scale to
+/// fit and are returned as [`quantize`] makes them. Rows are independent and run on all
+/// cores; the result does not depend on how many.
+///
+/// # Errors
+/// As [`quantize`]; [`Error::Shape`] for a `gram` of the wrong size, with a non-finite
+/// entry, or not positive definite after damping.
+pub fn quantize_gptq(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    format: Format,
+    gram: &[f64],
+    damp: f64,
+) -> Result<Packed> {
+    let mut p = quantize(w, rows, cols, format)?;
+    if format.code_bits() == 16 {
+        return Ok(p);
+    }
+    let u = crate::gptq::inverse_factor(gram, cols, damp)?;
+    let g = format.group().unwrap_or(cols).max(1);
+    let ng = cols.div_ceil(g);
+    let rb = format.row_code_bytes(cols);
+    let with_min = matches!(format, Format::Int4Block(_));
+    let row_scales = if with_min { 2 * ng } else { ng };
+    let done: Vec<(Vec<f32>, Vec<u8>)> = w
+        .par_chunks_exact(cols)
+        .map(|original| -> Result<(Vec<f32>, Vec<u8>)> {
+            let mut row = original.to_vec();
+            // scales (then minimums) of the row's groups, and its codes
+            let mut fit = vec![0f32; row_scales];
+            let mut codes = vec![0u8; rb];
+            for gi in 0..ng {
+                let c0 = gi * g;
+                let len = g.min(cols - c0);
+                let one = quantize(&row[c0..c0 + len], 1, len, format)?;
+                let s = one.scales.first().copied().unwrap_or(0.0);
+                let m = one.mins.first().copied().unwrap_or(0.0);
+                fit[gi] = s;
+                if with_min {
+                    fit[ng + gi] = m;
+                }
+                for i in c0..c0 + len {
+                    let v = row[i];
+                    let (q, d) = match format {
+                        Format::Nf4 | Format::Nf4Block(_) => {
+                            let q = if s > 0.0 { nf4_index(v / s) } else { 7 };
+                            (q, NF4_CODEBOOK[usize::from(q)] * s)
+                        }
+                        Format::Int4Block(_) => {
+                            let q = if s > 0.0 { int4_code((v - m) / s) } else { 0 };
+                            (q, m + f32::from(q) * s)
+                        }
+                        _ => {
+                            let q = if s > 0.0 {
+                                (v / s).round().clamp(-127.0, 127.0)
+                            } else {
+                                0.0
+                            };
+                            ((q as i8) as u8, q * s)
+                        }
+                    };
+                    if format.code_bits() == 4 {
+                        set_nibble(&mut codes, i, q);
+                    } else {
+                        codes[i] = q;
+                    }
+                    let e = (v - d) / u[i * cols + i];
+                    if e != 0.0 {
+                        for (r, &f) in row[i + 1..].iter_mut().zip(&u[i * cols + i + 1..(i + 1) * cols]) {
+                            *r -= e * f;
+                        }
+                    }
+                }
+            }
+            Ok((fit, codes))
+        })
+        .collect::<Result<_>>()?;
+    for (r, (fit, codes)) in done.into_iter().enumerate() {
+        p.scales[r * ng..(r + 1) * ng].copy_from_slice(&fit[..ng]);
+        if with_min {
+            p.mins[r * ng..(r + 1) * ng].copy_from_slice(&fit[ng..]);
+        }
+        p.codes[row_span(r, rb)].copy_from_slice(&codes);
+    }
+    Ok(p)
+}
+
 /// The candidate scales [`quantize_weighted`] tries per group: the base scale and each
 /// of [`SCALE_GRID`]'s.
 pub(crate) const CANDIDATES: usize = 1 + SCALE_GRID.len();

@@ -43,12 +43,13 @@
 #![deny(unsafe_code)]
 
 mod format;
+mod gptq;
 mod kernels;
 pub mod reference;
 pub mod synthetic;
 
 pub use format::{
-    Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_weighted,
+    Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_gptq, quantize_weighted,
 };
 pub use kernels::{
     Activations, Backend, NF4_I8, Tier, activations_for, error_bound, error_bound_block8,

@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
 mod budgets;
+mod gptq;
 mod properties;
 
 use compressme_quant::{Format, GroupSize};
