@@ -109,6 +109,15 @@ pub enum Storage {
         /// One weight per column for activation-aware rounding; empty for absmax.
         importance: Vec<f32>,
     },
+    /// Quantized with GPTQ rounding against the layer's input (2-D or more float
+    /// tensors whose columns are the factor's; see `compressme_quant::quantize_gptq`):
+    /// the same layout and recipe entry as [`Storage::Quantized`].
+    Gptq {
+        /// The format.
+        format: Format,
+        /// The layer's factor (shared by layers that read the same input).
+        factor: std::sync::Arc<compressme_quant::GptqFactor>,
+    },
 }
 
 /// One payload of a prepared tensor.
@@ -345,7 +354,7 @@ impl Writer {
                         WholeDigest::Xxh3 => (None, Some("0".repeat(32)), storage),
                     }
                 }
-                Storage::Quantized { format, .. } => {
+                Storage::Quantized { format, .. } | Storage::Gptq { format, .. } => {
                     planned.push(part(codes_name(name), Dtype::U8));
                     planned.push(part(scales_name(name), Dtype::F32));
                     planned.push(part(mins_name(name), Dtype::F32));
@@ -589,29 +598,49 @@ impl Writer {
                 Self::lossless_prepared(name, dtype, shape, input, coding, whole, store)
             }
             Storage::Quantized { format, importance } => {
-                if !dtype.is_float() || shape.len() < 2 {
-                    return Err(Error::Invalid {
-                        tensor: name.into(),
-                        reason: format!(
-                            "only float tensors of 2 or more dimensions are quantized ({} {shape:?})",
-                            dtype.name()
-                        ),
-                    });
-                }
-                let rows = shape.first().copied().unwrap_or(0);
-                let cols = shape.iter().skip(1).product::<usize>();
-                let values = to_f32(dtype, bytes);
-                let packed =
-                    compressme_quant::quantize_weighted(&values, rows, cols, *format, importance)
-                        .map_err(|source| Error::Quant {
-                        tensor: name.into(),
-                        source,
-                    })?;
-                let mut p = Self::prepare_packed(name, dtype, shape, &packed)?;
-                p.added.dense_bytes = bytes.len() as u64;
-                Ok(p)
+                Self::prepare_quantized(name, dtype, shape, bytes, |v, rows, cols| {
+                    compressme_quant::quantize_weighted(v, rows, cols, *format, importance)
+                })
+            }
+            Storage::Gptq { format, factor } => {
+                Self::prepare_quantized(name, dtype, shape, bytes, |v, rows, cols| {
+                    compressme_quant::quantize_gptq(v, rows, cols, *format, factor)
+                })
             }
         }
+    }
+
+    /// A float tensor of 2 or more dimensions, quantized by `quantize(values, rows, cols)`.
+    fn prepare_quantized<'a>(
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+        bytes: &[u8],
+        quantize: impl FnOnce(
+            &[f32],
+            usize,
+            usize,
+        ) -> compressme_quant::Result<compressme_quant::Packed>,
+    ) -> Result<Prepared<'a>> {
+        if !dtype.is_float() || shape.len() < 2 {
+            return Err(Error::Invalid {
+                tensor: name.into(),
+                reason: format!(
+                    "only float tensors of 2 or more dimensions are quantized ({} {shape:?})",
+                    dtype.name()
+                ),
+            });
+        }
+        let rows = shape.first().copied().unwrap_or(0);
+        let cols = shape.iter().skip(1).product::<usize>();
+        let values = to_f32(dtype, bytes);
+        let packed = quantize(&values, rows, cols).map_err(|source| Error::Quant {
+            tensor: name.into(),
+            source,
+        })?;
+        let mut p = Self::prepare_packed(name, dtype, shape, &packed)?;
+        p.added.dense_bytes = bytes.len() as u64;
+        Ok(p)
     }
 
     /// Prepares several lossless tensors at once: as [`Writer::prepare`] gives each, the

@@ -19,7 +19,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::report::{Corpus, Report, ThreadTiming, Variant, VariantTiming};
 use crate::stages::{
-    Lm, Planned, Spec, io, paired_rows, plans_of, read_gguf, storage, write_gguf, write_ours,
+    Lm, Planned, Rounding, Spec, io, paired_rows, plans_of, read_gguf, storage, write_gguf,
+    write_ours,
 };
 use crate::{BenchConfig, Error, Progress, Result, Tolerance};
 
@@ -81,6 +82,13 @@ pub struct RealConfig {
     /// stores them), beside that variant (reports from before this field had none).
     #[serde(default)]
     pub budget_at_candle_q4_k: bool,
+    /// GPTQ rounding: every plan's variant (and its shuffles) rounded by GPTQ against
+    /// each linear's input Gram matrix on the calibration windows, with this damping (a
+    /// fraction of the matrix's mean diagonal), and a uniform NF4-g64 variant so
+    /// rounded beside the absmax and activation-aware ones. Absent (reports from before
+    /// this field): the plans use activation-aware scales.
+    #[serde(default)]
+    pub gptq_damp: Option<f64>,
 }
 
 fn yes() -> bool {
@@ -125,6 +133,7 @@ impl Default for RealConfig {
             sensitivity_format: "nf4-g64".into(),
             budget_head_floor: false,
             budget_at_candle_q4_k: true,
+            gptq_damp: Some(0.01),
         }
     }
 }
@@ -312,6 +321,8 @@ fn check(cfg: &RealConfig) -> Result<Vec<Format>> {
         Some("timing_reps and timing_threads must not be empty".into())
     } else if cfg.prompt_tokens == 0 || cfg.prompt_tokens > cfg.eval_tokens {
         Some("prompt_tokens must be positive and at most eval_tokens".into())
+    } else if cfg.gptq_damp.is_some_and(|d| !(d.is_finite() && d >= 0.0)) {
+        Some("gptq_damp must be a finite non-negative number".into())
     } else if cfg.candidates.iter().any(|c| c == "int4-g32") {
         Some(
             "int4-g32 reproduces the Q4_1 grid of the reference exactly: leave it out of the candidates"
@@ -447,6 +458,36 @@ pub fn run_real(
     let profile_path = work_dir.join("profile.json");
     std::fs::write(&profile_path, &profile_json).map_err(io(&profile_path))?;
 
+    // GPTQ's factors, from each linear's input Gram matrix on the calibration windows
+    let factors = match cfg.gptq_damp {
+        Some(damp) => {
+            progress.stage("gram matrices", windows.len() as u64);
+            let t = Instant::now();
+            let factors = compressme_profile::gptq_factors(
+                &lm.model,
+                &windows,
+                |m, ids| {
+                    let r = m.forward(ids).map(drop);
+                    progress.inc(1);
+                    r
+                },
+                damp,
+            )?;
+            progress.done(&format!(
+                "GPTQ factors of {} linears (damping {damp}) in {:.0} s",
+                factors.len(),
+                t.elapsed().as_secs_f64()
+            ));
+            Some(factors)
+        }
+        None => None,
+    };
+    let plan_rounding = if factors.is_some() {
+        Rounding::Gptq
+    } else {
+        Rounding::Aware
+    };
+
     // plans
     let policy = Policy {
         protect_output_head: true,
@@ -501,7 +542,7 @@ pub fn run_real(
             spec: Spec::Ours {
                 choices: uniform(nf4_g64),
                 plan: None,
-                weighted: false,
+                rounding: Rounding::Absmax,
             },
         },
         Planned::ours(
@@ -512,6 +553,18 @@ pub fn run_real(
             None,
         ),
     ];
+    if factors.is_some() {
+        planned.push(Planned {
+            name: "nf4-g64-gptq".into(),
+            description: "every linear blockwise NF4, groups of 64, GPTQ-rounded against each linear's input Gram matrix on the calibration windows".into(),
+            control: false,
+            spec: Spec::Ours {
+                choices: uniform(nf4_g64),
+                plan: None,
+                rounding: Rounding::Gptq,
+            },
+        });
+    }
     let thresholds = Plan::from_importance(&profile, policy.clone());
     planned.push(Planned::ours(
         "thresholds",
@@ -603,6 +656,20 @@ pub fn run_real(
             Some(plan),
         ));
     }
+    // every plan's variant (the shuffles too) rounded one way
+    for p in &mut planned {
+        if let Spec::Ours {
+            plan: Some(_),
+            rounding,
+            ..
+        } = &mut p.spec
+        {
+            *rounding = plan_rounding;
+            if plan_rounding == Rounding::Gptq {
+                p.description.push_str("; GPTQ-rounded");
+            }
+        }
+    }
     for f in [LlamaFormat::Q8_0, LlamaFormat::Q6K, LlamaFormat::Q4K] {
         let fallback = f.for_width(model_cfg.hidden);
         let note = if fallback == f {
@@ -648,7 +715,7 @@ pub fn run_real(
             Spec::Ours {
                 choices,
                 plan,
-                weighted,
+                rounding,
             } => {
                 let path = work_dir.join(format!("{}.cma", p.name));
                 let s = write_ours(
@@ -659,7 +726,8 @@ pub fn run_real(
                     &profile,
                     plan.as_ref(),
                     cfg.block_rows,
-                    *weighted,
+                    *rounding,
+                    factors.as_ref(),
                 )?;
                 (path, s.file_bytes, None)
             }
@@ -806,11 +874,24 @@ pub fn run_real(
             ));
         }
     }
+    // the plan at NF4-g64's bytes against the uniform variant rounded as it is
+    let (same, how) = if factors.is_some() {
+        ("nf4-g64-gptq", "GPTQ")
+    } else {
+        ("nf4-g64-aware", "activation-aware scales")
+    };
     questions.push(q(
-        "nf4-g64-aware",
+        same,
         "budget-at-nf4-g64",
-        "a plan at uniform NF4-g64's bytes vs uniform NF4-g64 (activation-aware scales)".into(),
+        format!("a plan at uniform NF4-g64's bytes vs uniform NF4-g64 ({how})"),
     ));
+    if factors.is_some() {
+        questions.push(q(
+            "nf4-g64-aware",
+            "nf4-g64-gptq",
+            "GPTQ vs activation-aware scales, NF4-g64".into(),
+        ));
+    }
     questions.push(q(
         "nf4-g64",
         "nf4-g64-aware",

@@ -261,7 +261,7 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
             Spec::Ours {
                 choices,
                 plan,
-                weighted,
+                rounding,
             } => {
                 let path = work_dir.join(format!("{}.cma", p.name));
                 let summary = write_ours(
@@ -272,7 +272,8 @@ pub fn run(cfg: &Config, work_dir: &Path, progress: &dyn Progress) -> Result<Rep
                     &profile,
                     plan.as_ref(),
                     cfg.block_rows,
-                    *weighted,
+                    *rounding,
+                    None,
                 )?;
                 (path, summary.file_bytes)
             }

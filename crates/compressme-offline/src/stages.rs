@@ -14,6 +14,7 @@ use compressme_eval::{Rows, Timing, paired};
 use compressme_nn::{CausalLm, Decoder, LlamaFormat, Model, ModuleMut};
 use compressme_plan::{Choice, Plan};
 use compressme_profile::Profile;
+use compressme_quant::{GptqFactor, quantize_gptq};
 
 use crate::report::{ModuleBytes, PairedRow, Storage, Variant};
 use crate::{Error, Progress, Result};
@@ -55,16 +56,28 @@ impl Lm for Decoder {
     }
 }
 
+/// How our variants' weights are rounded onto their formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rounding {
+    /// Each group's (or row's) absmax scale, every weight to its nearest code.
+    Absmax,
+    /// Blockwise 4-bit formats choose each group's scale against the profile's
+    /// per-channel mean x² (`compressme_quant::quantize_weighted`); absmax otherwise.
+    Aware,
+    /// GPTQ against each linear's input Gram matrix (`compressme_quant::quantize_gptq`),
+    /// each group's scale chosen as `Aware` chooses it, against the Gram diagonal.
+    Gptq,
+}
+
 /// How a variant is stored.
 #[derive(Debug, Clone)]
 pub(crate) enum Spec {
-    /// Ours: per module (by name) a plan choice; modules not named stay dense f32.
-    /// `weighted`: blockwise 4-bit formats choose each group's scale against the
-    /// profile's activation statistics (absmax otherwise).
+    /// Ours: per module (by name) a plan choice, rounded by `rounding`; modules not
+    /// named stay dense f32.
     Ours {
         choices: BTreeMap<String, Choice>,
         plan: Option<Plan>,
-        weighted: bool,
+        rounding: Rounding,
     },
     /// candle's GGUF types for every linear, the rest f32, in a GGUF file.
     Candle(LlamaFormat),
@@ -94,7 +107,7 @@ impl Planned {
             spec: Spec::Ours {
                 choices,
                 plan,
-                weighted: true,
+                rounding: Rounding::Aware,
             },
         }
     }
@@ -128,9 +141,10 @@ pub(crate) fn file_sha256(path: &Path) -> Result<String> {
     Ok(sha256_hex(&std::fs::read(path).map_err(io(path))?))
 }
 
-/// Writes an artifact of every tensor: modules named in `choices` as chosen (4-bit blocks
-/// with activation-weighted rounding from `profile` when `weighted`), everything else
-/// dense; `metadata` lets the artifact run alone.
+/// Writes an artifact of every tensor: modules named in `choices` as chosen, rounded by
+/// `rounding` (with `profile`'s channel statistics for [`Rounding::Aware`], `factors`,
+/// by module, for [`Rounding::Gptq`]), everything else dense; `metadata` lets the
+/// artifact run alone.
 #[allow(clippy::too_many_arguments)] // one call site per benchmark, every argument distinct
 pub(crate) fn write_ours(
     path: &Path,
@@ -140,7 +154,8 @@ pub(crate) fn write_ours(
     profile: &Profile,
     plan: Option<&Plan>,
     block_rows: usize,
-    weighted: bool,
+    rounding: Rounding,
+    factors: Option<&BTreeMap<String, GptqFactor>>,
 ) -> Result<compressme_artifact::Summary> {
     let mut w = Writer::create(path)?;
     w.recipe_mut().source_metadata = metadata.clone();
@@ -150,31 +165,41 @@ pub(crate) fn write_ours(
         w.recipe_mut().output_head_policy = Some(plan.policy.describe());
     }
     for (name, t) in tensors {
-        let bytes = f32_bytes(t)?;
+        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let bytes = || from_f32(Dtype::F32, &values);
         let shape = t.dims().to_vec();
         let module = name.strip_suffix(".weight");
         match module.and_then(|m| choices.get(m).map(|c| (m, c))) {
+            Some((m, Choice::Format(f))) if rounding == Rounding::Gptq => {
+                let factor = factors.and_then(|fs| fs.get(m)).ok_or_else(|| {
+                    Error::Config(format!("{m}: no input Gram matrix to round it by GPTQ"))
+                })?;
+                let (rows, cols) = t.dims2()?;
+                let packed = quantize_gptq(&values, rows, cols, *f, factor)
+                    .map_err(|e| Error::Config(format!("{name}: {e}")))?;
+                w.add_packed(name, Dtype::F32, &shape, &packed)?;
+            }
             Some((m, Choice::Format(f))) => {
                 let importance: Vec<f32> = profile
                     .modules
                     .get(m)
-                    .filter(|_| weighted)
+                    .filter(|_| rounding == Rounding::Aware)
                     .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
                     .unwrap_or_default();
-                w.add_quantized_weighted(name, Dtype::F32, &shape, &bytes, *f, &importance)?;
+                w.add_quantized_weighted(name, Dtype::F32, &shape, &bytes(), *f, &importance)?;
             }
             Some((_, Choice::Lossless)) => {
                 w.add_lossless(
                     name,
                     Dtype::F32,
                     &shape,
-                    &bytes,
+                    &bytes(),
                     block_rows,
                     Coder::default(),
                 )?;
             }
             _ => {
-                w.add_dense(name, Dtype::F32, &shape, &bytes)?;
+                w.add_dense(name, Dtype::F32, &shape, &bytes())?;
             }
         }
     }

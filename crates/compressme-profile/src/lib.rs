@@ -16,6 +16,12 @@
 //! minimises are rescaled to it, the heuristic keeping only the ratio between formats
 //! within a module.
 //!
+//! [`record_grams`] collects each linear's input Gram matrix `Σ x xᵀ` on the same kind
+//! of run, and [`gptq_factors`] turns them into GPTQ's factors
+//! (`compressme_quant::GptqFactor`, for `compressme_quant::quantize_gptq`); they are
+//! kept apart from the profile (a few hundred megabytes for a 135M decoder, not JSON
+//! material).
+//!
 //! What it is not: a planner (`compressme-plan` turns profiles into plans) or a data
 //! loader (the caller decides what a batch is).
 //!
@@ -48,6 +54,9 @@ pub use compressme_nn::ModuleKind;
 use compressme_nn::{Model, ModuleRef, Observer};
 use compressme_quant::{Format, GroupSize};
 use serde::{Deserialize, Serialize};
+
+mod gram;
+pub use gram::{Grams, gptq_factors, record_grams};
 
 /// The profile JSON version this build writes.
 pub const VERSION: u32 = 1;
@@ -97,6 +106,14 @@ pub enum Error {
         module: String,
         /// What failed.
         message: String,
+    },
+    /// A linear's GPTQ factor could not be made from its input Gram matrix.
+    #[error("GPTQ factor of `{module}`: {source}")]
+    Factor {
+        /// The module.
+        module: String,
+        /// Why.
+        source: compressme_quant::Error,
     },
 }
 

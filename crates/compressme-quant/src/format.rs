@@ -14,6 +14,7 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::gptq::GptqFactor;
 use crate::{Error, Result};
 
 /// The QLoRA 4-bit NormalFloat codebook (Dettmers et al., 2023), ascending; index 7 is 0.
@@ -700,66 +701,74 @@ pub fn quantize_weighted(
 }
 
 /// GPTQ rounding (Frantar et al., 2022) for the integer formats: each row's weights are
-/// rounded one column at a time, and each column's rounding error, divided by its
+/// rounded one column at a time, and each column's rounding error, divided by the
 /// factor's diagonal, is taken off the columns after it in proportion to the factor's
-/// row (`U` with `Uᵀ U = (H + λI)⁻¹`), so that the layer's output on inputs with Gram
-/// matrix `gram` (`H = Σ x xᵀ` over calibration tokens, row-major `cols x cols`)
-/// changes as little as rounding allows. `damp` sets `λ` as a fraction of `H`'s mean
-/// diagonal (0.01 in the paper).
+/// row (`U` with `Uᵀ U = (H + λI)⁻¹`, see [`GptqFactor`]), so that the layer's output on
+/// inputs with Gram matrix `H` (`Σ x xᵀ` over calibration tokens) changes as little as
+/// rounding allows.
 ///
-/// A group's scale (and INT4's minimum) is the one [`quantize`] gives the group's
-/// weights as they stand when its first column is reached, errors of earlier groups
-/// taken off; a per-row format's scale is the row's own, taken before any rounding.
-/// The layout, scales and codes are those of `format`, so anything that reads it reads
-/// this; only which code each weight gets differs. With a diagonal `gram` no error
-/// spreads and the result is [`quantize`]'s, bit for bit. F16 and BF16 have no scale to
-/// fit and are returned as [`quantize`] makes them. Rows are independent and run on all
-/// cores; the result does not depend on how many.
+/// A group's scale (and INT4's minimum) is the one [`quantize_weighted`] chooses for the
+/// group's weights as they stand when its first column is reached (errors of earlier
+/// columns taken off), against `H`'s diagonal (each input channel's Σ x²); a per-row
+/// format's scale is the row's absmax, taken before any rounding. The layout, scales
+/// and codes are those of `format`, so anything that reads it reads this; only which
+/// code each weight gets differs. With a diagonal `H` no error spreads, and the result
+/// is [`quantize_weighted`]'s with `H`'s diagonal as the importance, bit for bit. F16
+/// and BF16 have no scale to fit and are returned as [`quantize`] makes them. Rows are
+/// independent and run on all cores; the result does not depend on how many.
 ///
 /// # Errors
-/// As [`quantize`]; [`Error::Shape`] for a `gram` of the wrong size, with a non-finite
-/// entry, or not positive definite after damping.
+/// As [`quantize`]; [`Error::Shape`] for a factor of another width.
 pub fn quantize_gptq(
     w: &[f32],
     rows: usize,
     cols: usize,
     format: Format,
-    gram: &[f64],
-    damp: f64,
+    factor: &GptqFactor,
 ) -> Result<Packed> {
     let mut p = quantize(w, rows, cols, format)?;
     if format.code_bits() == 16 {
         return Ok(p);
     }
-    let u = crate::gptq::inverse_factor(gram, cols, damp)?;
+    if factor.cols() != cols {
+        return Err(Error::Shape(format!(
+            "a GPTQ factor for {} columns given for {cols}",
+            factor.cols()
+        )));
+    }
+    let (u, diag) = (factor.u(), factor.diag());
     let g = format.group().unwrap_or(cols).max(1);
     let ng = cols.div_ceil(g);
     let rb = format.row_code_bytes(cols);
     let with_min = matches!(format, Format::Int4Block(_));
-    let row_scales = if with_min { 2 * ng } else { ng };
-    let done: Vec<(Vec<f32>, Vec<u8>)> = w
+    // each row's scales, minimums and codes
+    let done: Vec<(Vec<f32>, Vec<f32>, Vec<u8>)> = w
         .par_chunks_exact(cols)
-        .map(|original| -> Result<(Vec<f32>, Vec<u8>)> {
+        .map(|original| -> Result<_> {
             let mut row = original.to_vec();
-            // scales (then minimums) of the row's groups, and its codes
-            let mut fit = vec![0f32; row_scales];
+            let mut scales = Vec::with_capacity(ng);
+            let mut mins = Vec::new();
             let mut codes = vec![0u8; rb];
-            for gi in 0..ng {
-                let c0 = gi * g;
-                let len = g.min(cols - c0);
-                let one = quantize(&row[c0..c0 + len], 1, len, format)?;
+            for (gi, imp) in diag.chunks(g).enumerate() {
+                let c0 = gi.saturating_mul(g);
+                let end = c0.saturating_add(imp.len());
+                let group = row.get(c0..end).unwrap_or_default();
+                let one = quantize_weighted(group, 1, group.len(), format, imp)?;
                 let s = one.scales.first().copied().unwrap_or(0.0);
                 let m = one.mins.first().copied().unwrap_or(0.0);
-                fit[gi] = s;
+                scales.push(s);
                 if with_min {
-                    fit[ng + gi] = m;
+                    mins.push(m);
                 }
-                for i in c0..c0 + len {
-                    let v = row[i];
+                for i in c0..end {
+                    let (Some(&v), Some(ui)) = (row.get(i), u.get(row_span(i, cols))) else {
+                        continue;
+                    };
                     let (q, d) = match format {
                         Format::Nf4 | Format::Nf4Block(_) => {
                             let q = if s > 0.0 { nf4_index(v / s) } else { 7 };
-                            (q, NF4_CODEBOOK[usize::from(q)] * s)
+                            let c = NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0);
+                            (q, c * s)
                         }
                         Format::Int4Block(_) => {
                             let q = if s > 0.0 { int4_code((v - m) / s) } else { 0 };
@@ -776,26 +785,44 @@ pub fn quantize_gptq(
                     };
                     if format.code_bits() == 4 {
                         set_nibble(&mut codes, i, q);
-                    } else {
-                        codes[i] = q;
+                    } else if let Some(c) = codes.get_mut(i) {
+                        *c = q;
                     }
-                    let e = (v - d) / u[i * cols + i];
+                    // the error, spread over the columns after this one
+                    let next = i.saturating_add(1);
+                    let (Some(&uii), Some(after), Some(rest)) =
+                        (ui.get(i), ui.get(next..), row.get_mut(next..))
+                    else {
+                        continue;
+                    };
+                    let e = (v - d) / uii;
                     if e != 0.0 {
-                        for (r, &f) in row[i + 1..].iter_mut().zip(&u[i * cols + i + 1..(i + 1) * cols]) {
+                        for (r, &f) in rest.iter_mut().zip(after) {
                             *r -= e * f;
                         }
                     }
                 }
             }
-            Ok((fit, codes))
+            Ok((scales, mins, codes))
         })
         .collect::<Result<_>>()?;
-    for (r, (fit, codes)) in done.into_iter().enumerate() {
-        p.scales[r * ng..(r + 1) * ng].copy_from_slice(&fit[..ng]);
-        if with_min {
-            p.mins[r * ng..(r + 1) * ng].copy_from_slice(&fit[ng..]);
+    let put = |dst: Option<&mut [f32]>, src: &[f32]| {
+        for (d, s) in dst.into_iter().flatten().zip(src) {
+            *d = *s;
         }
-        p.codes[row_span(r, rb)].copy_from_slice(&codes);
+    };
+    for (r, (scales, mins, codes)) in done.into_iter().enumerate() {
+        put(p.scales.get_mut(row_span(r, ng)), &scales);
+        put(p.mins.get_mut(row_span(r, ng)), &mins);
+        for (d, c) in p
+            .codes
+            .get_mut(row_span(r, rb))
+            .into_iter()
+            .flatten()
+            .zip(&codes)
+        {
+            *d = *c;
+        }
     }
     Ok(p)
 }

@@ -1,7 +1,8 @@
 //! The linear algebra of GPTQ rounding (Frantar et al., 2022): from a layer's input Gram
 //! matrix `H = Σ x xᵀ` (over calibration tokens), the upper-triangular `U` with
 //! `Uᵀ U = (H + λI)⁻¹`, whose rows tell how a rounding error in one column is best
-//! spread over the columns after it. [`crate::quantize_gptq`] does the rounding.
+//! spread over the columns after it ([`GptqFactor`]). [`crate::quantize_gptq`] does the
+//! rounding.
 //!
 //! Computed in f64 without a general inverse: with `P` the reversal of the columns'
 //! order and `M` the lower Cholesky factor of `P (H + λI) P`, `U = P M⁻¹ P`
@@ -12,15 +13,56 @@
 
 use crate::{Error, Result};
 
-/// `U` (row-major `n x n`, upper-triangular, f32) with `Uᵀ U = (H + λI)⁻¹` for the Gram
-/// matrix `gram` (row-major `n x n`, symmetric), where `λ = damp` times the mean of
-/// `H`'s diagonal. A column that never saw a non-zero input (a zero diagonal entry) is
-/// given a diagonal of 1 first, as the paper does, so that it has an inverse.
-///
-/// # Errors
-/// [`Error::Shape`] for a `gram` that is not `n x n`, a non-finite entry, a negative
-/// or non-finite `damp`, or a matrix that is not positive definite even after damping.
-pub(crate) fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
+/// The factor GPTQ rounds a layer's weights with: `U` (row-major `cols x cols`,
+/// upper-triangular, f32) with `Uᵀ U = (H + λI)⁻¹` for the layer's input Gram matrix
+/// `H`. It depends on the inputs only, so layers that read the same input (a block's
+/// query, key and value projections) can share one, and every format and plan rounds
+/// with the same factor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptqFactor {
+    cols: usize,
+    u: Vec<f32>,
+    /// `H`'s diagonal: each input channel's Σ x², the weights of a scale search.
+    diag: Vec<f32>,
+}
+
+impl GptqFactor {
+    /// The factor for the Gram matrix `gram` (row-major `cols x cols`, symmetric:
+    /// `Σ x xᵀ` over calibration inputs), damped by `damp` times the mean of its diagonal
+    /// (0.01 in the paper). A column that never saw a non-zero input (a zero diagonal
+    /// entry) is given a diagonal of 1 first, as the paper does.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a `gram` that is not `cols x cols`, a non-finite entry, a
+    /// negative or non-finite `damp`, or a matrix that is not positive definite even
+    /// after damping.
+    pub fn new(gram: &[f64], cols: usize, damp: f64) -> Result<Self> {
+        let u = inverse_factor(gram, cols, damp)?;
+        let diag = (0..cols)
+            .map(|i| gram.get(i * cols + i).copied().unwrap_or(0.0) as f32)
+            .collect();
+        Ok(Self { cols, u, diag })
+    }
+
+    /// The layer's input width.
+    #[must_use]
+    pub const fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// `U`, row-major.
+    pub(crate) fn u(&self) -> &[f32] {
+        &self.u
+    }
+
+    /// `H`'s diagonal.
+    pub(crate) fn diag(&self) -> &[f32] {
+        &self.diag
+    }
+}
+
+/// `U` of [`GptqFactor::new`].
+fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
     if n == 0 || n.checked_mul(n) != Some(gram.len()) {
         return Err(Error::Shape(format!(
             "a Gram matrix of {} entries for {n} columns",
@@ -28,7 +70,9 @@ pub(crate) fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f3
         )));
     }
     if !(damp.is_finite() && damp >= 0.0) {
-        return Err(Error::Shape(format!("damping {damp} is not a finite non-negative number")));
+        return Err(Error::Shape(format!(
+            "damping {damp} is not a finite non-negative number"
+        )));
     }
     if let Some(v) = gram.iter().find(|v| !v.is_finite()) {
         return Err(Error::Shape(format!("the Gram matrix holds {v}")));
@@ -144,11 +188,23 @@ mod tests {
 
     #[test]
     fn bad_gram_matrices_are_refused() {
-        assert!(matches!(inverse_factor(&[1.0; 3], 2, 0.01), Err(Error::Shape(_))));
-        assert!(matches!(inverse_factor(&[1.0, f64::NAN, f64::NAN, 1.0], 2, 0.01), Err(Error::Shape(_))));
-        assert!(matches!(inverse_factor(&[1.0, 0.0, 0.0, 1.0], 2, -1.0), Err(Error::Shape(_))));
+        assert!(matches!(
+            inverse_factor(&[1.0; 3], 2, 0.01),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            inverse_factor(&[1.0, f64::NAN, f64::NAN, 1.0], 2, 0.01),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            inverse_factor(&[1.0, 0.0, 0.0, 1.0], 2, -1.0),
+            Err(Error::Shape(_))
+        ));
         // indefinite, undamped
-        assert!(matches!(inverse_factor(&[1.0, 2.0, 2.0, 1.0], 2, 0.0), Err(Error::Shape(_))));
+        assert!(matches!(
+            inverse_factor(&[1.0, 2.0, 2.0, 1.0], 2, 0.0),
+            Err(Error::Shape(_))
+        ));
         // a dead column gets a diagonal of one
         let u = inverse_factor(&[0.0, 0.0, 0.0, 4.0], 2, 0.0).unwrap();
         assert_eq!(u, vec![1.0, 0.0, 0.0, 0.5]);

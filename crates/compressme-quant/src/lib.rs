@@ -6,7 +6,10 @@
 //! `Nf4Block` and `Int4Block` (one f16 scale, and for `Int4Block` an f16 minimum, per group
 //! of 32, 64 or 128 weights along a row), `Int8Block` (INT8 with one f16 scale per group:
 //! llama.cpp's Q8_0 layout at groups of 32), and `Int8Rows` for embedding tables.
-//! [`quantize`] refuses non-finite weights and empty shapes; [`Packed::dequantize_into`],
+//! [`quantize`] refuses non-finite weights and empty shapes; [`quantize_weighted`] picks
+//! each 4-bit group's scale against per-channel activation weights, and [`quantize_gptq`]
+//! rounds with GPTQ's error feedback against a layer's input Gram matrix ([`GptqFactor`]; the same
+//! layouts: only which codes the weights get differs); [`Packed::dequantize_into`],
 //! [`Packed::dequantize_rows`] and [`Packed::stored_bytes`] do what they say; [`matmul`]
 //! computes `x W^T` reading the packed bytes (integer sums for the integer formats with
 //! activations rounded to 14 bits, or, for the 4-bit formats, to 8 bits per block of 32,
@@ -51,6 +54,7 @@ pub mod synthetic;
 pub use format::{
     Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_gptq, quantize_weighted,
 };
+pub use gptq::GptqFactor;
 pub use kernels::{
     Activations, Backend, NF4_I8, Tier, activations_for, error_bound, error_bound_block8,
     kernel_tier, matmul, matmul_into, matmul_into_using, matmul_into_with, matmul_with,

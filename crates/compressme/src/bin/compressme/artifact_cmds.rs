@@ -99,8 +99,23 @@ pub(crate) struct PackArgs {
     /// A profile from `compressme profile`: blockwise 4-bit formats then choose each
     /// group's scale to minimise the activation-weighted error (imatrix-style) instead
     /// of plain absmax.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "gptq")]
     pub(crate) profile: Option<PathBuf>,
+    /// Round every quantized linear of a model (a decoder folder or a GGUF file) by GPTQ
+    /// instead: its codes chosen one column at a time, each rounding error spread over
+    /// the columns after it against the linear's input Gram matrix, recorded on
+    /// windows of 512 tokens of this text (each group's scale chosen against that
+    /// matrix's diagonal, as --profile chooses it). The same formats and layouts; only
+    /// which codes the weights get differs.
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) gptq: Option<PathBuf>,
+    /// Windows of --gptq's text to record on (from its start).
+    #[arg(long, default_value_t = 16, requires = "gptq")]
+    pub(crate) gptq_windows: usize,
+    /// GPTQ's damping: a fraction of each Gram matrix's mean diagonal added to its
+    /// diagonal before it is inverted.
+    #[arg(long, default_value_t = 0.01, requires = "gptq")]
+    pub(crate) gptq_damp: f64,
     /// Print the per-tensor report as JSON.
     #[arg(long)]
     pub(crate) json: bool,
@@ -205,11 +220,24 @@ type ModelInput = (
     BTreeMap<String, String>,
     BTreeMap<String, compressme::plan::ModuleShape>,
     String,
+    Option<Gptq>,
 );
 
-fn model_input(path: &Path) -> Result<ModelInput> {
+/// Each linear's GPTQ factor, by module name, and the calibration text's SHA-256.
+type Gptq = (BTreeMap<String, Arc<compressme::quant::GptqFactor>>, String);
+
+fn model_input(path: &Path, a: &PackArgs) -> Result<ModelInput> {
     use compressme::nn::Model;
     let lm = crate::lm_cmds::open(path)?;
+    let gptq = match &a.gptq {
+        Some(text) => Some(crate::lm_cmds::gptq_factors(
+            &lm,
+            text,
+            a.gptq_windows,
+            a.gptq_damp,
+        )?),
+        None => None,
+    };
     // a folder's tensors keep their checkpoint dtype (the model holds them as f32, an
     // exact widening of bf16 and f16): a bf16 checkpoint packs as bf16
     let source_dtypes: BTreeMap<String, Dtype> = if path.is_dir() {
@@ -254,20 +282,28 @@ fn model_input(path: &Path) -> Result<ModelInput> {
         lm.artifact_metadata()?,
         shapes,
         tokenizer_sha,
+        gptq,
     ))
 }
 
 pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let t0 = Instant::now();
-    let (mut ckpt, metadata, model_shapes, tokenizer_sha) = if crate::lm_cmds::is_decoder(&a.input)
-    {
-        let (input, meta, shapes, tok) = model_input(&a.input)?;
-        (input, meta, Some(shapes), Some(tok))
+    let (mut ckpt, metadata, model_shapes, tokenizer_sha, gptq) = if crate::lm_cmds::is_decoder(
+        &a.input,
+    ) {
+        let (input, meta, shapes, tok, gptq) = model_input(&a.input, a)?;
+        (input, meta, Some(shapes), Some(tok), gptq)
     } else {
+        if a.gptq.is_some() {
+            bail!(
+                "--gptq runs the model on its text: {} is a checkpoint, not a model compressme runs (a decoder folder or a GGUF file)",
+                a.input.display()
+            );
+        }
         let c = Checkpoint::open(&a.input, &Limits::default())
             .with_context(|| format!("reading checkpoint {}", a.input.display()))?;
         let meta = c.metadata().clone();
-        (Input::Checkpoint(c), meta, None, None)
+        (Input::Checkpoint(c), meta, None, None, None)
     };
     let entries = ckpt.entries();
     let names: Vec<String> = entries.iter().map(|e| e.0.clone()).collect();
@@ -380,6 +416,9 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     if let Some(p) = &profile {
         w.recipe_mut().calibration_sha256 = Some(p.calibration_sha256.clone());
     }
+    if let Some((_, text_sha)) = &gptq {
+        w.recipe_mut().calibration_sha256 = Some(text_sha.clone());
+    }
     if let (Some(plan), Some(bytes)) = (&plan, &plan_bytes) {
         w.recipe_mut().plan_sha256 = Some(sha256_hex(bytes));
         w.recipe_mut().output_head_policy = Some(plan.policy.describe());
@@ -421,14 +460,24 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
             },
             Choice::Quant(f) => {
                 let module = name.strip_suffix(".weight").unwrap_or(name);
+                let factor = gptq.as_ref().and_then(|(fs, _)| fs.get(module));
                 let importance: Vec<f32> = profile
                     .as_ref()
                     .and_then(|p| p.modules.get(module))
                     .map(|m| m.channel_mean_sq().iter().map(|v| *v as f32).collect())
                     .unwrap_or_default();
-                Storage::Quantized {
-                    format: f,
-                    importance,
+                match factor {
+                    // a linear that saw the calibration text (GPTQ rounds linears only)
+                    Some(factor) if shape.len() == 2 && shape.get(1) == Some(&factor.cols()) => {
+                        Storage::Gptq {
+                            format: f,
+                            factor: factor.clone(),
+                        }
+                    }
+                    _ => Storage::Quantized {
+                        format: f,
+                        importance,
+                    },
                 }
             }
         };

@@ -3,6 +3,7 @@
 //! handling and display; the work is in `compressme-nn`, `compressme-profile` and
 //! `compressme-offline`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -217,6 +218,70 @@ pub(crate) struct ProfileOptions<'a> {
 
 /// Profiles a decoder over consecutive windows of a text (one document), every linear
 /// (the output head included) observed.
+/// `ids` in windows of `len` tokens (the last may be shorter, not under 2), at most
+/// `max` of them.
+fn calibration_windows(
+    ids: &[u32],
+    len: usize,
+    max: Option<usize>,
+    text: &Path,
+) -> Result<Vec<candle_core::Tensor>> {
+    let mut windows: Vec<candle_core::Tensor> = Vec::new();
+    for chunk in ids.chunks(len) {
+        if chunk.len() < 2 || max.is_some_and(|m| windows.len() >= m) {
+            break;
+        }
+        windows.push(candle_core::Tensor::new(chunk, &Device::Cpu)?.unsqueeze(0)?);
+    }
+    if windows.is_empty() {
+        bail!("{} has too few tokens to calibrate on", text.display());
+    }
+    Ok(windows)
+}
+
+/// GPTQ's factor of every linear of `lm`, from its input Gram matrix on the first
+/// `max_windows` windows of up to 512 tokens of `text` (by module name), and the text's
+/// SHA-256.
+pub(crate) fn gptq_factors(
+    lm: &LanguageModel,
+    text: &Path,
+    max_windows: usize,
+    damp: f64,
+) -> Result<(
+    BTreeMap<String, std::sync::Arc<compressme::quant::GptqFactor>>,
+    String,
+)> {
+    let body = read_text(text)?;
+    let ids = lm.encode(&body)?;
+    let len = lm.model.config().context.clamp(2, 512);
+    let windows = calibration_windows(&ids, len, Some(max_windows), text)?;
+    let bar = Bars::new();
+    bar.stage("GPTQ calibration", windows.len() as u64);
+    let factors = compressme::profile::gptq_factors(
+        &lm.model,
+        &windows,
+        |m, ids| {
+            let r = m.forward(ids).map(drop);
+            bar.inc(1);
+            r
+        },
+        damp,
+    )?
+    .into_iter()
+    .map(|(name, f)| (name, std::sync::Arc::new(f)))
+    .collect::<BTreeMap<_, _>>();
+    bar.done(&format!(
+        "input Gram matrices of {} linears on {} windows of {len} tokens of {}",
+        factors.len(),
+        windows.len(),
+        text.display()
+    ));
+    Ok((
+        factors,
+        compressme::artifact::recipe::sha256_hex(body.as_bytes()),
+    ))
+}
+
 pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Profile> {
     use compressme::profile::ActivationRecorder;
     let text = read_text(o.text)?;
@@ -228,16 +293,7 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
         .unwrap_or(cfg.context.min(512))
         .min(cfg.context)
         .max(2);
-    let mut windows: Vec<candle_core::Tensor> = Vec::new();
-    for chunk in ids.chunks(len) {
-        if chunk.len() < 2 || o.max_windows.is_some_and(|m| windows.len() >= m) {
-            break;
-        }
-        windows.push(candle_core::Tensor::new(chunk, &Device::Cpu)?.unsqueeze(0)?);
-    }
-    if windows.is_empty() {
-        bail!("{} has too few tokens to calibrate on", o.text.display());
-    }
+    let windows = calibration_windows(&ids, len, o.max_windows, o.text)?;
     let settings = o.settings.clone();
     let bar = Bars::new();
     bar.stage("windows", windows.len() as u64);

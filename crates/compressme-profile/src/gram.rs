@@ -1,0 +1,232 @@
+//! Input Gram matrices of a model's linears, for GPTQ rounding
+//! (`compressme_quant::GptqFactor`).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use candle_core::{DType, Device, Tensor};
+use compressme_nn::{Model, ModuleKind, Observer};
+use compressme_quant::GptqFactor;
+use rayon::prelude::*;
+
+use crate::{Error, Result};
+
+/// Each linear's `Σ x xᵀ` over every input row it saw, row-major `cols x cols`, by
+/// module name.
+pub type Grams = BTreeMap<String, Vec<f64>>;
+
+struct Collector {
+    cols: BTreeMap<String, usize>,
+    sums: Mutex<Grams>,
+    batch: Mutex<usize>,
+    failure: Mutex<Option<Error>>,
+}
+
+impl Collector {
+    fn add(&self, module: &str, x: &Tensor, cols: usize) -> Result<()> {
+        let batch = *self.batch.lock().unwrap_or_else(PoisonError::into_inner);
+        let model = |source| Error::Model { batch, source };
+        let width = x.dims().last().copied().unwrap_or(0);
+        if width != cols {
+            return Err(Error::Width {
+                module: module.into(),
+                expected: cols,
+                got: width,
+            });
+        }
+        let x = x
+            .to_device(&Device::Cpu)
+            .and_then(|x| x.to_dtype(DType::F32))
+            .and_then(|x| x.reshape(((), cols)))
+            .map_err(|e| model(e.into()))?;
+        // in f32 over this batch's rows (one chain of products an entry, whatever the
+        // thread count), summed across batches in f64
+        let g = x
+            .t()
+            .and_then(|t| t.contiguous())
+            .and_then(|t| t.matmul(&x))
+            .and_then(|g| g.flatten_all())
+            .and_then(|g| g.to_vec1::<f32>())
+            .map_err(|e| model(e.into()))?;
+        if let Some(&value) = g.iter().find(|v| !v.is_finite()) {
+            return Err(Error::NonFinite {
+                module: module.into(),
+                batch,
+                value,
+            });
+        }
+        let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
+        let s = sums
+            .entry(module.to_string())
+            .or_insert_with(|| vec![0.0; cols.saturating_mul(cols)]);
+        for (a, &b) in s.iter_mut().zip(&g) {
+            *a += f64::from(b);
+        }
+        Ok(())
+    }
+}
+
+impl Observer for Collector {
+    fn observe(&self, module: &str, activations: &Tensor) -> compressme_nn::Result<()> {
+        let Some(&cols) = self.cols.get(module) else {
+            return Ok(());
+        };
+        self.add(module, activations, cols).map_err(|e| {
+            let msg = e.to_string();
+            *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+            compressme_nn::Error::Observer(msg)
+        })
+    }
+}
+
+/// Runs `forward` over every batch with an observer on the model's hooks (uninstalled
+/// however this returns) and returns every linear's input Gram matrix `Σ x xᵀ` (the
+/// linears' inputs only; a linear never called is left out). Each batch's matrix is
+/// taken in f32 and the batches are summed in f64 in their order, so the result does not
+/// depend on the thread count.
+///
+/// # Errors
+/// [`Error::Empty`] without batches; [`Error::NonFinite`] and [`Error::Width`] naming the
+/// module; [`Error::Model`] for the model's own error (naming the batch).
+pub fn record_grams<M: Model, B>(
+    model: &M,
+    batches: &[B],
+    mut forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+) -> Result<Grams> {
+    if batches.is_empty() {
+        return Err(Error::Empty);
+    }
+    let collector = Arc::new(Collector {
+        cols: model
+            .modules()
+            .into_iter()
+            .filter(|m| m.kind == ModuleKind::Linear)
+            .map(|m| (m.name, m.cols))
+            .collect(),
+        sums: Mutex::new(BTreeMap::new()),
+        batch: Mutex::new(0),
+        failure: Mutex::new(None),
+    });
+    {
+        let _guard = model
+            .hooks()
+            .install(collector.clone())
+            .map_err(|source| Error::Model { batch: 0, source })?;
+        for (i, b) in batches.iter().enumerate() {
+            *collector
+                .batch
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = i;
+            if let Err(source) = forward(model, b) {
+                if let Some(e) = collector
+                    .failure
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+                {
+                    return Err(e);
+                }
+                return Err(Error::Model { batch: i, source });
+            }
+        }
+    }
+    Ok(std::mem::take(
+        &mut *collector
+            .sums
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner),
+    ))
+}
+
+/// [`record_grams`], then each linear's [`GptqFactor`] with damping `damp` (a fraction of
+/// its Gram matrix's mean diagonal; 0.01 in the paper), the linears in parallel.
+///
+/// # Errors
+/// As [`record_grams`]; [`Error::Factor`] naming a linear whose matrix has no factor.
+pub fn gptq_factors<M: Model, B>(
+    model: &M,
+    batches: &[B],
+    forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+    damp: f64,
+) -> Result<BTreeMap<String, GptqFactor>> {
+    let cols: BTreeMap<String, usize> = model
+        .modules()
+        .into_iter()
+        .map(|m| (m.name, m.cols))
+        .collect();
+    record_grams(model, batches, forward)?
+        .into_par_iter()
+        .map(|(module, g)| {
+            let n = cols.get(&module).copied().unwrap_or(0);
+            match GptqFactor::new(&g, n, damp) {
+                Ok(f) => Ok((module, f)),
+                Err(source) => Err(Error::Factor { module, source }),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects,
+    clippy::indexing_slicing
+)]
+mod tests {
+    use super::*;
+    use crate::{ActivationRecorder, ProfileSettings};
+    use compressme_nn::{CausalConfig, CausalLm};
+
+    #[test]
+    fn gram_diagonals_are_the_profiles_channel_means_of_squares() {
+        // two independent paths over the same inputs: the Gram matrix's diagonal over
+        // the tokens seen is the profile's per-channel mean x²
+        let cfg = CausalConfig {
+            vocab: 16,
+            width: 16,
+            layers: 2,
+            heads: 2,
+            context: 8,
+        };
+        let model = CausalLm::new(cfg, 3, &Device::Cpu).unwrap();
+        let batches = vec![
+            Tensor::new(&[[1u32, 2, 3, 4, 5, 6]], &Device::Cpu).unwrap(),
+            Tensor::new(&[[7u32, 8, 9, 10, 11, 12]], &Device::Cpu).unwrap(),
+        ];
+        let forward = |m: &CausalLm, ids: &Tensor| m.forward(ids).map(drop);
+        let grams = record_grams(&model, &batches, forward).unwrap();
+        let profile = ActivationRecorder::new(ProfileSettings::default())
+            .record(&model, &batches, forward)
+            .unwrap();
+        let linears: Vec<_> = profile
+            .modules
+            .iter()
+            .filter(|(_, s)| s.kind == ModuleKind::Linear)
+            .collect();
+        assert_eq!(grams.len(), linears.len());
+        for (name, s) in linears {
+            let g = &grams[name];
+            let n = s.cols;
+            assert_eq!(g.len(), n * n, "{name}");
+            let tokens = s.vectors as f64;
+            for (j, want) in s.channel_mean_sq().iter().enumerate() {
+                let got = g[j * n + j] / tokens;
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1e-3),
+                    "{name}[{j}]: {got} against {want}"
+                );
+                for k in 0..n {
+                    assert_eq!(
+                        g[j * n + k],
+                        g[k * n + j],
+                        "{name}: not symmetric at ({j}, {k})"
+                    );
+                }
+            }
+        }
+        assert!(matches!(
+            record_grams(&model, &[] as &[Tensor], forward),
+            Err(Error::Empty)
+        ));
+    }
+}
