@@ -17,39 +17,13 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use compressme_artifact::{Artifact, Dtype, Limits, StorageRecipe, Writer};
-use compressme_nn::{LanguageModel, Model, Observer};
+use compressme_nn::LanguageModel;
 use compressme_quant::Format;
 use rayon::prelude::*;
-
-/// Each watched linear's `Σ x xᵀ` over the tokens seen, by module name.
-struct Grams {
-    cols: BTreeMap<String, usize>,
-    sums: Mutex<BTreeMap<String, Vec<f64>>>,
-}
-
-impl Observer for Grams {
-    fn observe(&self, module: &str, x: &Tensor) -> compressme_nn::Result<()> {
-        let Some(&cols) = self.cols.get(module) else {
-            return Ok(());
-        };
-        let x = x.to_dtype(DType::F32)?.reshape(((), cols))?;
-        let g = x.t()?.contiguous()?.matmul(&x)?;
-        let g = g.flatten_all()?.to_vec1::<f32>()?;
-        let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
-        let s = sums
-            .entry(module.to_string())
-            .or_insert_with(|| vec![0.0; cols * cols]);
-        for (a, &b) in s.iter_mut().zip(&g) {
-            *a += f64::from(b);
-        }
-        Ok(())
-    }
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -76,31 +50,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|(n, f)| Format::parse(&f).map(|f| (n, f)))
         .collect::<Result<_, _>>()?;
     let tensors = lm.model.tensors()?;
-    let cols: BTreeMap<String, usize> = tensors
-        .iter()
-        .filter(|(n, _)| formats.contains_key(n))
-        .filter_map(|(n, t)| {
-            let m = n.strip_suffix(".weight")?;
-            Some((m.to_string(), t.dims2().ok()?.1))
-        })
-        .collect();
-    let grams = Arc::new(Grams {
-        cols,
-        sums: Mutex::new(BTreeMap::new()),
-    });
     let ids = lm.encode(&std::fs::read_to_string(text)?)?;
-    {
-        let _guard = lm.model.hooks().install(grams.clone())?;
-        for (i, w) in ids.chunks_exact(512).take(windows).enumerate() {
-            let x = Tensor::new(w, &Device::Cpu)?.unsqueeze(0)?;
-            lm.model.forward(&x)?;
-            eprint!("\rcalibration window {}/{windows}", i + 1);
-        }
-    }
-    let sums = std::mem::take(&mut *grams.sums.lock().unwrap_or_else(PoisonError::into_inner));
+    let batches: Vec<Tensor> = ids
+        .chunks_exact(512)
+        .take(windows)
+        .map(|w| Tensor::new(w, &Device::Cpu).and_then(|t| t.unsqueeze(0)))
+        .collect::<Result<_, _>>()?;
+    let factors = compressme_profile::gptq_factors(
+        &lm.model,
+        &batches,
+        |m, ids| m.forward(ids).map(drop),
+        damp,
+    )?;
     eprintln!(
-        "\n{} Gram matrices in {:.1} s",
-        sums.len(),
+        "{} factors from {} windows in {:.1} s",
+        factors.len(),
+        batches.len(),
         t0.elapsed().as_secs_f64()
     );
     let t1 = Instant::now();
@@ -110,14 +75,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (Some(&f), Some(m)) = (formats.get(name), name.strip_suffix(".weight")) else {
                 return Ok(None);
             };
-            let gram = sums.get(m).ok_or_else(|| format!("{m}: no inputs seen"))?;
+            let factor = factors
+                .get(m)
+                .ok_or_else(|| format!("{m}: no inputs seen"))?;
             let (rows, cols) = t.dims2().map_err(|e| e.to_string())?;
             let w = t
                 .flatten_all()
                 .and_then(|t| t.to_vec1::<f32>())
                 .map_err(|e| e.to_string())?;
-            compressme_quant::GptqFactor::new(gram, cols, damp)
-                .and_then(|u| compressme_quant::quantize_gptq(&w, rows, cols, f, &u))
+            compressme_quant::quantize_gptq(&w, rows, cols, f, factor)
                 .map(Some)
                 .map_err(|e| format!("{name}: {e}"))
         })

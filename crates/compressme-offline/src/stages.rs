@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
@@ -155,7 +156,7 @@ pub(crate) fn write_ours(
     plan: Option<&Plan>,
     block_rows: usize,
     rounding: Rounding,
-    factors: Option<&BTreeMap<String, GptqFactor>>,
+    factors: Option<&BTreeMap<String, Arc<GptqFactor>>>,
 ) -> Result<compressme_artifact::Summary> {
     let mut w = Writer::create(path)?;
     w.recipe_mut().source_metadata = metadata.clone();

@@ -139,7 +139,10 @@ pub fn record_grams<M: Model, B>(
 }
 
 /// [`record_grams`], then each linear's [`GptqFactor`] with damping `damp` (a fraction of
-/// its Gram matrix's mean diagonal; 0.01 in the paper), the linears in parallel.
+/// its Gram matrix's mean diagonal; 0.01 in the paper). Linears that read the same input
+/// (a block's query, key and value projections; its gate and up projections) have the
+/// same matrix, bit for bit, and share one factor; the distinct ones are made in
+/// parallel.
 ///
 /// # Errors
 /// As [`record_grams`]; [`Error::Factor`] naming a linear whose matrix has no factor.
@@ -148,22 +151,43 @@ pub fn gptq_factors<M: Model, B>(
     batches: &[B],
     forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
     damp: f64,
-) -> Result<BTreeMap<String, GptqFactor>> {
+) -> Result<BTreeMap<String, Arc<GptqFactor>>> {
     let cols: BTreeMap<String, usize> = model
         .modules()
         .into_iter()
         .map(|m| (m.name, m.cols))
         .collect();
-    record_grams(model, batches, forward)?
+    let grams = record_grams(model, batches, forward)?;
+    // the distinct matrices, by the SHA-256 of their bits, each with its first module
+    let mut distinct: BTreeMap<[u8; 32], (&str, &[f64])> = BTreeMap::new();
+    let mut key_of = BTreeMap::new();
+    for (module, g) in &grams {
+        let mut h = <sha2::Sha256 as sha2::Digest>::new();
+        for v in g {
+            sha2::Digest::update(&mut h, v.to_le_bytes());
+        }
+        let key: [u8; 32] = sha2::Digest::finalize(h).into();
+        distinct
+            .entry(key)
+            .or_insert((module.as_str(), g.as_slice()));
+        key_of.insert(module.as_str(), key);
+    }
+    let made: BTreeMap<[u8; 32], Arc<GptqFactor>> = distinct
         .into_par_iter()
-        .map(|(module, g)| {
-            let n = cols.get(&module).copied().unwrap_or(0);
-            match GptqFactor::new(&g, n, damp) {
-                Ok(f) => Ok((module, f)),
-                Err(source) => Err(Error::Factor { module, source }),
-            }
+        .map(|(key, (module, g))| {
+            let n = cols.get(module).copied().unwrap_or(0);
+            GptqFactor::new(g, n, damp)
+                .map(|f| (key, Arc::new(f)))
+                .map_err(|source| Error::Factor {
+                    module: module.to_string(),
+                    source,
+                })
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    Ok(key_of
+        .into_iter()
+        .filter_map(|(module, key)| Some((module.to_string(), made.get(&key)?.clone())))
+        .collect())
 }
 
 #[cfg(test)]
@@ -228,5 +252,17 @@ mod tests {
             record_grams(&model, &[] as &[Tensor], forward),
             Err(Error::Empty)
         ));
+        // one factor per distinct matrix: shared exactly where the inputs are the same
+        let factors = gptq_factors(&model, &batches, forward, 0.01).unwrap();
+        assert_eq!(factors.len(), grams.len());
+        let mut shared = 0;
+        for (a, fa) in &factors {
+            for (b, fb) in &factors {
+                assert_eq!(Arc::ptr_eq(fa, fb), grams[a] == grams[b], "{a} and {b}");
+                shared += usize::from(a != b && Arc::ptr_eq(fa, fb));
+            }
+            assert_eq!(fa.cols(), grams[a].len().isqrt(), "{a}");
+        }
+        assert!(shared > 0, "no two linears read the same input");
     }
 }

@@ -266,10 +266,7 @@ pub(crate) fn gptq_factors(
             r
         },
         damp,
-    )?
-    .into_iter()
-    .map(|(name, f)| (name, std::sync::Arc::new(f)))
-    .collect::<BTreeMap<_, _>>();
+    )?;
     bar.done(&format!(
         "input Gram matrices of {} linears on {} windows of {len} tokens of {}",
         factors.len(),
