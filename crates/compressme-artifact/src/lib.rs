@@ -2,7 +2,8 @@
 //! quantized weights and dense tensors, with a closed, versioned recipe in its
 //! `__metadata__`, verified block by block when written and when read.
 //!
-//! - [`Writer`] adds tensors one at a time (dense, lossless where it pays, quantized),
+//! - [`Writer`] adds tensors one at a time (dense, lossless where it pays, quantized:
+//!   plainly, against per-channel importance, or by GPTQ, [`Storage`]),
 //!   spooling payloads to a temporary file so memory holds one tensor, or straight into
 //!   the artifact after room reserved for its header ([`Writer::reserve_header`]);
 //!   [`Writer::prepare`] builds a tensor on any thread and [`Writer::commit`] writes it,

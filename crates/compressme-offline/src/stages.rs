@@ -176,8 +176,12 @@ pub(crate) fn write_ours(
                     Error::Config(format!("{m}: no input Gram matrix to round it by GPTQ"))
                 })?;
                 let (rows, cols) = t.dims2()?;
-                let packed = quantize_gptq(&values, rows, cols, *f, factor)
-                    .map_err(|e| Error::Config(format!("{name}: {e}")))?;
+                let packed = quantize_gptq(&values, rows, cols, *f, factor).map_err(|source| {
+                    Error::Quant {
+                        tensor: name.clone(),
+                        source,
+                    }
+                })?;
                 w.add_packed(name, Dtype::F32, &shape, &packed)?;
             }
             Some((m, Choice::Format(f))) => {

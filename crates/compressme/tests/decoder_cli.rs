@@ -344,6 +344,19 @@ fn a_decoder_packs_with_gptq_rounding_and_bad_gptq_requests_are_refused() {
         &s("x.cma"),
     ]);
     assert!(!ok && err.contains("--gptq"), "{err}");
+    let (ok, _, err) = run(&[
+        "pack",
+        &model,
+        "--lossless",
+        "--gptq",
+        &txt,
+        "-o",
+        &s("x.cma"),
+    ]);
+    assert!(
+        !ok && err.contains("--gptq rounds quantized tensors"),
+        "{err}"
+    );
     assert!(!d.join("x.cma").exists());
 }
 

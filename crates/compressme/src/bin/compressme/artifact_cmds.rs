@@ -288,6 +288,11 @@ fn model_input(path: &Path, a: &PackArgs) -> Result<ModelInput> {
 
 pub(crate) fn pack(a: &PackArgs) -> Result<()> {
     let t0 = Instant::now();
+    if a.gptq.is_some() && a.format.is_none() && a.plan.is_none() {
+        bail!(
+            "--gptq rounds quantized tensors: say which with --format FORMAT or --plan PLAN.json"
+        );
+    }
     let (mut ckpt, metadata, model_shapes, tokenizer_sha, gptq) = if crate::lm_cmds::is_decoder(
         &a.input,
     ) {
