@@ -86,14 +86,6 @@ pub enum Error {
     /// Evaluating.
     #[error(transparent)]
     Eval(#[from] compressme_eval::Error),
-    /// Quantizing a tensor outside the artifact writer (GPTQ rounding).
-    #[error("{tensor}: {source}")]
-    Quant {
-        /// The tensor.
-        tensor: String,
-        /// Why.
-        source: compressme_quant::Error,
-    },
     /// Files.
     #[error("{path}: {source}")]
     Io {

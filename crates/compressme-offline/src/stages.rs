@@ -15,7 +15,7 @@ use compressme_eval::{Rows, Timing, paired};
 use compressme_nn::{CausalLm, Decoder, LlamaFormat, Model, ModuleMut};
 use compressme_plan::{Choice, Plan};
 use compressme_profile::Profile;
-use compressme_quant::{GptqFactor, quantize_gptq};
+use compressme_quant::GptqFactor;
 
 use crate::report::{ModuleBytes, PairedRow, Storage, Variant};
 use crate::{Error, Progress, Result};
@@ -166,8 +166,7 @@ pub(crate) fn write_ours(
         w.recipe_mut().output_head_policy = Some(plan.policy.describe());
     }
     for (name, t) in tensors {
-        let values = t.flatten_all()?.to_vec1::<f32>()?;
-        let bytes = || from_f32(Dtype::F32, &values);
+        let bytes = f32_bytes(t)?;
         let shape = t.dims().to_vec();
         let module = name.strip_suffix(".weight");
         match module.and_then(|m| choices.get(m).map(|c| (m, c))) {
@@ -175,14 +174,12 @@ pub(crate) fn write_ours(
                 let factor = factors.and_then(|fs| fs.get(m)).ok_or_else(|| {
                     Error::Config(format!("{m}: no input Gram matrix to round it by GPTQ"))
                 })?;
-                let (rows, cols) = t.dims2()?;
-                let packed = quantize_gptq(&values, rows, cols, *f, factor).map_err(|source| {
-                    Error::Quant {
-                        tensor: name.clone(),
-                        source,
-                    }
-                })?;
-                w.add_packed(name, Dtype::F32, &shape, &packed)?;
+                let storage = compressme_artifact::Storage::Gptq {
+                    format: *f,
+                    factor: factor.clone(),
+                };
+                let input = compressme_artifact::Input::Borrowed(&bytes);
+                w.commit(Writer::prepare(name, Dtype::F32, &shape, input, &storage)?)?;
             }
             Some((m, Choice::Format(f))) => {
                 let importance: Vec<f32> = profile
@@ -191,20 +188,20 @@ pub(crate) fn write_ours(
                     .filter(|_| rounding == Rounding::Aware)
                     .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
                     .unwrap_or_default();
-                w.add_quantized_weighted(name, Dtype::F32, &shape, &bytes(), *f, &importance)?;
+                w.add_quantized_weighted(name, Dtype::F32, &shape, &bytes, *f, &importance)?;
             }
             Some((_, Choice::Lossless)) => {
                 w.add_lossless(
                     name,
                     Dtype::F32,
                     &shape,
-                    &bytes(),
+                    &bytes,
                     block_rows,
                     Coder::default(),
                 )?;
             }
             _ => {
-                w.add_dense(name, Dtype::F32, &shape, &bytes())?;
+                w.add_dense(name, Dtype::F32, &shape, &bytes)?;
             }
         }
     }
