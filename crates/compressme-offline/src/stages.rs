@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
-use compressme_artifact::{Dtype, Writer, from_f32, recipe::sha256_hex};
+use compressme_artifact::Storage as ArtifactStorage;
+use compressme_artifact::{Dtype, Input, Writer, from_f32, recipe::sha256_hex};
 use compressme_blockstore::Coder;
 use compressme_eval::{Rows, Timing, paired};
 use compressme_nn::{CausalLm, Decoder, LlamaFormat, Model, ModuleMut};
@@ -170,25 +171,29 @@ pub(crate) fn write_ours(
         let shape = t.dims().to_vec();
         let module = name.strip_suffix(".weight");
         match module.and_then(|m| choices.get(m).map(|c| (m, c))) {
-            Some((m, Choice::Format(f))) if rounding == Rounding::Gptq => {
-                let factor = factors.and_then(|fs| fs.get(m)).ok_or_else(|| {
-                    Error::Config(format!("{m}: no input Gram matrix to round it by GPTQ"))
-                })?;
-                let storage = compressme_artifact::Storage::Gptq {
-                    format: *f,
-                    factor: factor.clone(),
-                };
-                let input = compressme_artifact::Input::Borrowed(&bytes);
-                w.commit(Writer::prepare(name, Dtype::F32, &shape, input, &storage)?)?;
-            }
             Some((m, Choice::Format(f))) => {
-                let importance: Vec<f32> = profile
-                    .modules
-                    .get(m)
-                    .filter(|_| rounding == Rounding::Aware)
-                    .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
-                    .unwrap_or_default();
-                w.add_quantized_weighted(name, Dtype::F32, &shape, &bytes, *f, &importance)?;
+                let storage = if rounding == Rounding::Gptq {
+                    let factor = factors.and_then(|fs| fs.get(m)).ok_or_else(|| {
+                        Error::Config(format!("{m}: no input Gram matrix to round it by GPTQ"))
+                    })?;
+                    ArtifactStorage::Gptq {
+                        format: *f,
+                        factor: factor.clone(),
+                    }
+                } else {
+                    let importance = profile
+                        .modules
+                        .get(m)
+                        .filter(|_| rounding == Rounding::Aware)
+                        .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
+                        .unwrap_or_default();
+                    ArtifactStorage::Quantized {
+                        format: *f,
+                        importance,
+                    }
+                };
+                let input = Input::Borrowed(&bytes);
+                w.commit(Writer::prepare(name, Dtype::F32, &shape, input, &storage)?)?;
             }
             Some((_, Choice::Lossless)) => {
                 w.add_lossless(

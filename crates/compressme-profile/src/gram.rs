@@ -9,7 +9,7 @@ use compressme_nn::{Model, ModuleKind, Observer};
 use compressme_quant::GptqFactor;
 use rayon::prelude::*;
 
-use crate::{Error, Result};
+use crate::{Error, Result, Watch};
 
 /// Each linear's `Σ x xᵀ` over every input row it saw, row-major `cols x cols`, by
 /// module name.
@@ -18,13 +18,12 @@ pub type Grams = BTreeMap<String, Vec<f64>>;
 struct Collector {
     cols: BTreeMap<String, usize>,
     sums: Mutex<Grams>,
-    batch: Mutex<usize>,
-    failure: Mutex<Option<Error>>,
+    watch: Watch,
 }
 
 impl Collector {
     fn add(&self, module: &str, x: &Tensor, cols: usize) -> Result<()> {
-        let batch = *self.batch.lock().unwrap_or_else(PoisonError::into_inner);
+        let batch = self.watch.batch();
         let model = |source| Error::Model { batch, source };
         let width = x.dims().last().copied().unwrap_or(0);
         if width != cols {
@@ -71,11 +70,8 @@ impl Observer for Collector {
         let Some(&cols) = self.cols.get(module) else {
             return Ok(());
         };
-        self.add(module, activations, cols).map_err(|e| {
-            let msg = e.to_string();
-            *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
-            compressme_nn::Error::Observer(msg)
-        })
+        self.add(module, activations, cols)
+            .map_err(|e| self.watch.fail(e))
     }
 }
 
@@ -91,7 +87,7 @@ impl Observer for Collector {
 pub fn record_grams<M: Model, B>(
     model: &M,
     batches: &[B],
-    mut forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+    forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
 ) -> Result<Grams> {
     if batches.is_empty() {
         return Err(Error::Empty);
@@ -104,32 +100,11 @@ pub fn record_grams<M: Model, B>(
             .map(|m| (m.name, m.cols))
             .collect(),
         sums: Mutex::new(BTreeMap::new()),
-        batch: Mutex::new(0),
-        failure: Mutex::new(None),
+        watch: Watch::default(),
     });
-    {
-        let _guard = model
-            .hooks()
-            .install(collector.clone())
-            .map_err(|source| Error::Model { batch: 0, source })?;
-        for (i, b) in batches.iter().enumerate() {
-            *collector
-                .batch
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = i;
-            if let Err(source) = forward(model, b) {
-                if let Some(e) = collector
-                    .failure
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take()
-                {
-                    return Err(e);
-                }
-                return Err(Error::Model { batch: i, source });
-            }
-        }
-    }
+    collector
+        .watch
+        .run(model, batches, forward, collector.clone())?;
     Ok(std::mem::take(
         &mut *collector
             .sums

@@ -471,24 +471,70 @@ fn set_linear<M: Model>(
 struct Collector {
     threshold: f32,
     stats: Mutex<BTreeMap<String, ModuleStats>>,
+    watch: Watch,
+}
+
+/// What an observer shares with the run it watches: the batch being run, and the first
+/// failure it met, which the run reports in place of the model's error.
+#[derive(Default)]
+struct Watch {
     batch: Mutex<usize>,
     failure: Mutex<Option<Error>>,
 }
 
+impl Watch {
+    fn batch(&self) -> usize {
+        *self.batch.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `e` for the run to report and gives the model an error that stops it.
+    fn fail(&self, e: Error) -> compressme_nn::Error {
+        let msg = e.to_string();
+        *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+        compressme_nn::Error::Observer(msg)
+    }
+
+    /// Runs `forward` over every batch with `observer` on the model's hooks (uninstalled
+    /// however this returns); the observer's failure, if it had one, is the error.
+    fn run<M: Model, B>(
+        &self,
+        model: &M,
+        batches: &[B],
+        mut forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        observer: Arc<dyn Observer>,
+    ) -> Result<()> {
+        let _guard = model
+            .hooks()
+            .install(observer)
+            .map_err(|source| Error::Model { batch: 0, source })?;
+        for (i, b) in batches.iter().enumerate() {
+            *self.batch.lock().unwrap_or_else(PoisonError::into_inner) = i;
+            if let Err(source) = forward(model, b) {
+                if let Some(e) = self
+                    .failure
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+                {
+                    return Err(e);
+                }
+                return Err(Error::Model { batch: i, source });
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Observer for Collector {
     fn observe(&self, module: &str, activations: &Tensor) -> compressme_nn::Result<()> {
-        let fail = |e: Error| -> compressme_nn::Result<()> {
-            let msg = e.to_string();
-            *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
-            Err(compressme_nn::Error::Observer(msg))
-        };
+        let fail = |e: Error| -> compressme_nn::Result<()> { Err(self.watch.fail(e)) };
         let x = activations
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         let cols = activations.dims().last().copied().unwrap_or(1).max(1);
-        let batch = *self.batch.lock().unwrap_or_else(PoisonError::into_inner);
+        let batch = self.watch.batch();
         let mut stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(s) = stats.get_mut(module) else {
             return Ok(());
@@ -549,7 +595,7 @@ impl ActivationRecorder {
         &self,
         model: &M,
         batches: &[B],
-        mut forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
     ) -> Result<Profile> {
         if batches.is_empty() {
             return Err(Error::Empty);
@@ -586,32 +632,11 @@ impl ActivationRecorder {
         let collector = Arc::new(Collector {
             threshold: self.settings.density_threshold,
             stats: Mutex::new(stats),
-            batch: Mutex::new(0),
-            failure: Mutex::new(None),
+            watch: Watch::default(),
         });
-        {
-            let _guard = model
-                .hooks()
-                .install(collector.clone())
-                .map_err(|source| Error::Model { batch: 0, source })?;
-            for (i, b) in batches.iter().enumerate() {
-                *collector
-                    .batch
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = i;
-                if let Err(source) = forward(model, b) {
-                    if let Some(e) = collector
-                        .failure
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .take()
-                    {
-                        return Err(e);
-                    }
-                    return Err(Error::Model { batch: i, source });
-                }
-            }
-        }
+        collector
+            .watch
+            .run(model, batches, forward, collector.clone())?;
         let mut modules = std::mem::take(
             &mut *collector
                 .stats

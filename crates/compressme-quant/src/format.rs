@@ -726,6 +726,8 @@ pub fn quantize_gptq(
     format: Format,
     factor: &GptqFactor,
 ) -> Result<Packed> {
+    // checks the weights (its errors name the weight in the matrix) and lays out the
+    // buffers the rows below fill
     let mut p = quantize(w, rows, cols, format)?;
     if format.code_bits() == 16 {
         return Ok(p);

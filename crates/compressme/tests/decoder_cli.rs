@@ -307,56 +307,39 @@ fn a_decoder_packs_with_gptq_rounding_and_bad_gptq_requests_are_refused() {
         "KL with GPTQ {gptq}, plain rounding {plain}"
     );
     // a checkpoint is not a model it can run; --profile chooses scales another way;
-    // the GPTQ settings without --gptq say nothing
+    // the GPTQ settings without --gptq say nothing; --gptq needs something to quantize
     let ckpt = root().join("fixtures/decoders/llama-tied/model.safetensors");
-    let (ok, _, err) = run(&[
-        "pack",
-        &ckpt.display().to_string(),
-        "--format",
-        "int8",
-        "--gptq",
-        &txt,
-        "-o",
-        &s("x.cma"),
-    ]);
-    assert!(!ok && err.contains("--gptq runs the model"), "{err}");
-    let (ok, _, err) = run(&[
-        "pack",
-        &model,
-        "--format",
-        "int8",
-        "--gptq",
-        &txt,
-        "--profile",
-        &txt,
-        "-o",
-        &s("x.cma"),
-    ]);
-    assert!(!ok && err.contains("cannot be used with"), "{err}");
-    let (ok, _, err) = run(&[
-        "pack",
-        &model,
-        "--format",
-        "int8",
-        "--gptq-windows",
-        "2",
-        "-o",
-        &s("x.cma"),
-    ]);
-    assert!(!ok && err.contains("--gptq"), "{err}");
-    let (ok, _, err) = run(&[
-        "pack",
-        &model,
-        "--lossless",
-        "--gptq",
-        &txt,
-        "-o",
-        &s("x.cma"),
-    ]);
-    assert!(
-        !ok && err.contains("--gptq rounds quantized tensors"),
-        "{err}"
-    );
+    let ckpt = ckpt.display().to_string();
+    let refused: [(&[&str], &str); 4] = [
+        (
+            &[&ckpt, "--format", "int8", "--gptq", &txt],
+            "--gptq runs the model",
+        ),
+        (
+            &[
+                &model,
+                "--format",
+                "int8",
+                "--gptq",
+                &txt,
+                "--profile",
+                &txt,
+            ],
+            "cannot be used with",
+        ),
+        (
+            &[&model, "--format", "int8", "--gptq-windows", "2"],
+            "--gptq",
+        ),
+        (
+            &[&model, "--lossless", "--gptq", &txt],
+            "--gptq rounds quantized tensors",
+        ),
+    ];
+    for (args, want) in refused {
+        let (ok, _, err) = run(&[&["pack"][..], args, &["-o", &s("x.cma")]].concat());
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+    }
     assert!(!d.join("x.cma").exists());
 }
 

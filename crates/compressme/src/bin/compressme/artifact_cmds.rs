@@ -472,14 +472,13 @@ pub(crate) fn pack(a: &PackArgs) -> Result<()> {
                     .map(|m| m.channel_mean_sq().iter().map(|v| *v as f32).collect())
                     .unwrap_or_default();
                 match factor {
-                    // a linear that saw the calibration text (GPTQ rounds linears only)
-                    Some(factor) if shape.len() == 2 && shape.get(1) == Some(&factor.cols()) => {
-                        Storage::Gptq {
-                            format: f,
-                            factor: factor.clone(),
-                        }
-                    }
-                    _ => Storage::Quantized {
+                    // a linear that saw the calibration text (GPTQ rounds linears only;
+                    // a factor of another width is refused by the rounding, by name)
+                    Some(factor) => Storage::Gptq {
+                        format: f,
+                        factor: factor.clone(),
+                    },
+                    None => Storage::Quantized {
                         format: f,
                         importance,
                     },
