@@ -334,7 +334,7 @@ fn test(args: &[String]) -> Result<(), String> {
     fixtures()?;
     run(cargo()
         .current_dir(root())
-        .args(["test", "--workspace"])
+        .args(["test", "--workspace", "--no-fail-fast"])
         .args(args))?;
     spec_check(args)
 }
