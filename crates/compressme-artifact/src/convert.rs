@@ -156,6 +156,8 @@ pub fn unpack(
     };
     let mut out = AtomicFile::create(dest)?;
     out.set_durability(durability);
+    // a large output is not read back here: its pages go back as they are written
+    out.set_drop_behind();
     out.write_all(&header)?;
     // every tensor's place in the file is known from the header: tensors are decoded in
     // parallel, each written at its offset as it streams, so writing overlaps decoding

@@ -1334,6 +1334,42 @@ fn large_writes_are_whole_and_in_place() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+#[test]
+fn dropping_written_ranges_from_the_cache_loses_nothing() {
+    // `unpack`'s output: ranges written at their offsets, out of order as its lanes write
+    // them, and everything more than 128 MiB behind waited on and dropped from the page
+    // cache as the file grows; the file still holds every byte where it was written
+    let d = tmp("drop-behind");
+    let dest = d.join("out.bin");
+    let piece: usize = 1 << 20;
+    let pieces = 200; // 200 MiB: past `KEEP_BEHIND`, so ranges are dropped
+    let mut f = compressme_artifact::AtomicFile::create(&dest).unwrap();
+    f.set_drop_behind();
+    f.write_all(b"head").unwrap();
+    let fill = |i: usize| -> Vec<u8> {
+        (0..piece)
+            .map(|j| (i.wrapping_mul(31) ^ j.wrapping_mul(7)) as u8)
+            .collect()
+    };
+    // four lanes, each through its own quarter of the file
+    let quarter = pieces / 4;
+    for step in 0..quarter {
+        for lane in 0..4 {
+            let i = lane * quarter + step;
+            f.write_all_at(4 + (i * piece) as u64, &fill(i)).unwrap();
+        }
+    }
+    f.commit().unwrap();
+    let got = std::fs::read(&dest).unwrap();
+    assert_eq!(got.len(), 4 + pieces * piece);
+    assert_eq!(&got[..4], b"head");
+    for i in 0..pieces {
+        let at = 4 + i * piece;
+        assert!(got[at..at + piece] == fill(i)[..], "piece {i} differs");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// A safetensors file written by hand the way other tools write them: tensors in an order
 /// of their own (not by name), `__metadata__` first, the header padded with spaces to
 /// `pad` (8 as the safetensors crate does; 1 for none). Returns its bytes.
