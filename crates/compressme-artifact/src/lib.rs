@@ -19,8 +19,9 @@
 //!   [`Writer::set_source_header`]) the source file itself, byte for byte.
 //! - [`Checkpoint`] reads any safetensors checkpoint (one file, a folder, or shards
 //!   through the index JSON) a tensor at a time, each memory-mapped (or read, at 16 KiB
-//!   or less) ([`Mapped`]: one of the crate's two `unsafe` blocks, with what it assumes
-//!   written beside it; the other asks the kernel to start writing a file back); artifacts are read the same way, block stores in place.
+//!   or less) ([`Mapped`]: one of the crate's two `unsafe` places, with what it assumes
+//!   written beside it; the other asks the kernel to write a file back); artifacts are
+//!   read the same way, block stores in place.
 //!
 //! The layout is specified in `docs/FORMAT.md` ("Artifact, versions 1, 2, 3 and 4": this
 //! build writes version 4 when lossless tensors record XXH3-128 whole-tensor digests,
@@ -53,8 +54,8 @@
 //! ```
 #![deny(missing_docs)]
 #![deny(unsafe_code)]
-// allowed twice: `st::Mapped::new` (a read-only memory map) and
-// `st::write_behind` (one sync_file_range(2) call)
+// allowed in two places: `st::Mapped::new` (a read-only memory map), and `st::write_behind`
+// and `st::drop_behind` (sync_file_range(2) and posix_fadvise(2) on a file of ours)
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
 mod convert;

@@ -183,8 +183,8 @@ impl Entry {
 /// read into memory when at most `READ_BELOW` (16 KiB).
 ///
 /// One of the two places this crate uses `unsafe` (the other, [`write_behind`] and
-/// [`drop_behind`], asks the kernel to write a file back): a map is only sound while no one else
-/// shrinks or rewrites the file. Artifacts and checkpoints are written to a temporary
+/// [`drop_behind`], asks the kernel to write a file back): a map is only sound while no
+/// one else shrinks or rewrites the file. Artifacts and checkpoints are written to a temporary
 /// name and renamed into place (a rename leaves an open map on the old file), so the
 /// risk is another program truncating or editing a file in place while it is read: the
 /// process would then fault (SIGBUS) instead of reporting an error. That is the trade
@@ -852,9 +852,9 @@ fn drop_behind(_: &File, _: u64, _: u64) {}
 pub enum Durability {
     /// Renamed into place once complete (and, for an artifact, checked); its write-back
     /// is started as it is written ([`WRITE_BEHIND`]) but not waited for, so, as with the
-    /// files `zstd`, `cp` and the safetensors writers leave, a power failure before the write-back may lose the new file (and, on
-    /// file systems that do not order a replacing rename after the data, the old file it
-    /// replaced); a crash of the process never leaves a partial file under the name.
+    /// files `zstd`, `cp` and the safetensors writers leave, a power failure before the
+    /// write-back may lose the new file (and, on file systems that do not order a
+    /// replacing rename after the data, the old file it replaced); a crash of the process never leaves a partial file under the name.
     #[default]
     Cached,
     /// `fsync` before the rename: the file is on the disk when the call returns, at the
