@@ -945,7 +945,10 @@ impl AtomicFile {
     /// page cache: older ranges are waited on and dropped as the file grows. For a large
     /// output this process does not read back (`unpack`'s): written pages then go back to
     /// the free list as fast as they come, where a page cache filling with the whole file
-    /// took pages the kernel had to find (and this VM to back) first.
+    /// took pages the kernel had to find (and this VM to back) first. The cost: on a disk
+    /// slower than the writer, the call's time includes all but the last 128 MiB of the
+    /// disk's own write (without it the kernel throttles the writer too, once a tenth to a
+    /// fifth of memory is dirty, and the disk works on after the process exits).
     pub fn set_drop_behind(&mut self) {
         self.behind = Some(std::sync::Mutex::default());
     }
