@@ -182,8 +182,8 @@ impl Entry {
 /// A tensor's bytes memory-mapped from its file, read-only ([`SafetensorsFile::map`]), or
 /// read into memory when at most `READ_BELOW` (16 KiB).
 ///
-/// One of the two places this crate uses `unsafe` (the other, [`write_behind`] and
-/// [`drop_behind`], asks the kernel to write a file back): a map is only sound while no
+/// One of the two places this crate uses `unsafe` (the other, `write_behind` and
+/// `drop_behind`, asks the kernel to write a file back): a map is only sound while no
 /// one else shrinks or rewrites the file. Artifacts and checkpoints are written to a temporary
 /// name and renamed into place (a rename leaves an open map on the old file), so the
 /// risk is another program truncating or editing a file in place while it is read: the
@@ -851,7 +851,7 @@ fn drop_behind(_: &File, _: u64, _: u64) {}
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Durability {
     /// Renamed into place once complete (and, for an artifact, checked); its write-back
-    /// is started as it is written ([`WRITE_BEHIND`]) but not waited for, so, as with the
+    /// is started as it is written (every 64 MiB) but not waited for, so, as with the
     /// files `zstd`, `cp` and the safetensors writers leave, a power failure before the
     /// write-back may lose the new file (and, on file systems that do not order a
     /// replacing rename after the data, the old file it replaced); a crash of the process never leaves a partial file under the name.
@@ -941,7 +941,7 @@ impl AtomicFile {
         }
     }
 
-    /// Keeps at most [`KEEP_BEHIND`] bytes written through [`Self::write_all_at`] in the
+    /// Keeps at most 128 MiB written through [`Self::write_all_at`] in the
     /// page cache: older ranges are waited on and dropped as the file grows. For a large
     /// output this process does not read back (`unpack`'s): written pages then go back to
     /// the free list as fast as they come, where a page cache filling with the whole file
