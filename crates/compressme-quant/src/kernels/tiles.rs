@@ -6,9 +6,10 @@
 //! to `i16` once (4-bit codes through their table first); a pair of its codes, broadcast,
 //! meets the panel's vector of the same pair, one instruction for 16 (or 8) rows of `x`:
 //! `vpdpwssd` on the AVX-512 tier (512-bit) and the AVX-VNNI tier (256-bit), `vpmaddwd`
-//! and an add on the AVX2 tier. Eight weight rows share each load of the panel, and on the
-//! AVX-512 tier two blocks of the panel (32 rows of `x`) run together, so each broadcast
-//! pair of codes meets both (sixteen sums in registers). While a task's kernel runs, the
+//! and an add on the AVX2 tier. Eight weight rows share each load of the panel; on the
+//! AVX-512 tier two blocks of the panel (32 rows of `x`) run together with four weight
+//! rows, so each broadcast pair of codes meets both (eight sums in registers), through
+//! every group with the rows' f32 sums kept in registers too ([`groups4x2`]). While a task's kernel runs, the
 //! next task's codes are prefetched into the second-level cache ([`Ahead`]): each task
 //! widens its rows first, and that read would otherwise wait on memory. A group's sum
 //! for a row of `x` is one lane, so its flush is one convert and one fused multiply-add
@@ -41,7 +42,7 @@ use std::arch::x86_64::{
     _mm256_madd_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
     _mm256_storeu_ps, _mm256_storeu_si256, _mm512_cvtepi32_ps, _mm512_dpwssd_epi32,
     _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps,
-    _mm512_setzero_si512, _mm512_storeu_ps,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps,
 };
 
 use super::{FLUSH, FixedX, RowsView, avx2, avx512, avxvnni};
@@ -447,10 +448,12 @@ tile_kernel_256!(dots_avxvnni, "avx2,fma,avxvnni", |a, x, w| {
     _mm256_dpwssd_avx_epi32(a, x, w)
 });
 
-/// Every weight row of the scratch against every block of the `x` panel, group by group
-/// (so a group's part of the panel and of the rows stays in the first-level cache while
-/// all of them run): `acc[(m · blocks + k) · 8 + r]` accumulates row `8m + r` against
-/// block `k`, lane `l` its row `l`.
+/// Every weight row of the scratch against every block of the `x` panel:
+/// `acc[(m · blocks + k) · 8 + r]` accumulates row `8m + r` against block `k`, lane `l`
+/// its row `l`. On the AVX-512 tier pairs of blocks run four rows at a time through every
+/// group ([`groups4x2`]); an odd last block, and the 256-bit tiers, go group by group (so a
+/// group's part of the panel and of the rows stays in the first-level cache while all of
+/// them run).
 fn dots_all(
     kind: Kind,
     s: &Scratch,
@@ -516,45 +519,6 @@ unsafe fn block_sums(
     sums
 }
 
-/// [`block_sums`] for two blocks of the `x` panel at once: each broadcast pair of codes
-/// meets both blocks' vectors, so a step loads ten vectors for sixteen `vpdpwssd` (against
-/// nine for eight), and sixteen independent sums hide the instruction's latency. Each sum
-/// adds the same products in the same order as [`block_sums`], so the bits are the same.
-///
-/// # Safety
-/// AVX-512 F and VNNI present; `2 · end` at most every row's length, `16 · end` at most
-/// each block's.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-#[inline]
-unsafe fn block_sums2(
-    rows: [&[i16]; MR],
-    xb0: &[u32],
-    xb1: &[u32],
-    start: usize,
-    end: usize,
-    ahead: &mut Ahead,
-) -> ([__m512i; MR], [__m512i; MR]) {
-    let mut s0 = [_mm512_setzero_si512(); MR];
-    let mut s1 = [_mm512_setzero_si512(); MR];
-    for p in start..end {
-        ahead.step();
-        // SAFETY: p < end: 16 units from 16p are in each block (caller)
-        let (x0, x1) = unsafe {
-            (
-                _mm512_loadu_si512(xb0.as_ptr().add(LANES * p).cast()),
-                _mm512_loadu_si512(xb1.as_ptr().add(LANES * p).cast()),
-            )
-        };
-        for r in 0..MR {
-            // SAFETY: 2p + 2 <= 2 · end <= the row's length (caller)
-            let w = _mm512_set1_epi32(unsafe { pair_of(rows[r], p) });
-            s0[r] = _mm512_dpwssd_epi32(s0[r], x0, w);
-            s1[r] = _mm512_dpwssd_epi32(s1[r], x1, w);
-        }
-    }
-    (s0, s1)
-}
-
 /// `dst[r] = fma(sums[r] as f32, sc[r], dst[r])` for the eight rows.
 ///
 /// # Safety
@@ -568,6 +532,70 @@ unsafe fn flush_sums(sums: &[__m512i; MR], sc: &[f32; MR], dst: &mut [[f32; LANE
         unsafe {
             let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(c), _mm512_loadu_ps(o));
             _mm512_storeu_ps(o, v);
+        }
+    }
+}
+
+/// Four weight rows against two blocks of the `x` panel (32 rows of `x`) over every flush
+/// of `sched`: each broadcast pair of codes meets both blocks, and the rows' f32 sums stay
+/// in registers from group to group (eight `i32` sums and eight f32 ones, with the four
+/// rows' slices in general registers). Eight rows with the f32 sums in memory, a flush at
+/// a time, spent as much as a fifth of a batch-32 product of INT8-g32 on the flushes
+/// and reloaded the rows' pointers from the stack at every step. The same operations in
+/// the same order as [`block_sums`] and [`flush_sums`] from `acc = 0`, so the same bits.
+/// Writes `d0[r]` and `d1[r]`.
+///
+/// # Safety
+/// AVX-512 F, VNNI and FMA present; every flush's `2 · end` at most every row's length,
+/// `16 · end` at most each block's; `sc` holds row `r`'s scales at `r · sched.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn groups4x2(
+    rows: [&[i16]; 4],
+    sc: &[f32],
+    sched: &[Flush],
+    xb0: &[u32],
+    xb1: &[u32],
+    d0: &mut [[f32; LANES]],
+    d1: &mut [[f32; LANES]],
+    ahead: &mut Ahead,
+) {
+    let nf = sched.len();
+    let mut f0 = [_mm512_setzero_ps(); 4];
+    let mut f1 = [_mm512_setzero_ps(); 4];
+    for (fi, fl) in sched.iter().enumerate() {
+        let mut s0 = [_mm512_setzero_si512(); 4];
+        let mut s1 = [_mm512_setzero_si512(); 4];
+        for p in fl.start..fl.end {
+            ahead.step();
+            // SAFETY: p < end: 16 units from 16p are in each block (caller)
+            let (x0, x1) = unsafe {
+                (
+                    _mm512_loadu_si512(xb0.as_ptr().add(LANES * p).cast()),
+                    _mm512_loadu_si512(xb1.as_ptr().add(LANES * p).cast()),
+                )
+            };
+            for r in 0..4 {
+                // SAFETY: 2p + 2 <= 2 · end <= the row's length (caller)
+                let w = _mm512_set1_epi32(unsafe { pair_of(rows[r], p) });
+                s0[r] = _mm512_dpwssd_epi32(s0[r], x0, w);
+                s1[r] = _mm512_dpwssd_epi32(s1[r], x1, w);
+            }
+        }
+        for r in 0..4 {
+            let c = _mm512_set1_ps(sc.get(r * nf + fi).copied().unwrap_or(0.0));
+            f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), c, f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), c, f1[r]);
+        }
+    }
+    for r in 0..4 {
+        if let (Some(a), Some(b)) = (d0.get_mut(r), d1.get_mut(r)) {
+            // SAFETY: 16 f32 each
+            unsafe {
+                _mm512_storeu_ps(a.as_mut_ptr(), f0[r]);
+                _mm512_storeu_ps(b.as_mut_ptr(), f1[r]);
+            }
         }
     }
 }
@@ -591,34 +619,49 @@ unsafe fn dots_all_avx512(
     let pairs = kp / 2;
     let blocks = x.len() / (pairs * LANES).max(1);
     let xb = |k: usize| &x[k * pairs * LANES..(k + 1) * pairs * LANES];
-    let steps =
-        ROWS / MR * blocks.div_ceil(2) * sched.iter().map(|f| f.end - f.start).sum::<usize>();
+    let per_pass: usize = sched.iter().map(|f| f.end - f.start).sum();
+    let steps = (ROWS / 4 * (blocks / 2) + ROWS / MR * (blocks % 2)) * per_pass;
     let mut ahead = Ahead::new(next, steps);
+    // pairs of blocks: four rows at a time over every flush, sums in registers
+    for q in 0..ROWS / 4 {
+        let rows: [&[i16]; 4] =
+            std::array::from_fn(|r| &wide[(q * 4 + r) * kp..(q * 4 + r + 1) * kp]);
+        let sc = &scales[q * 4 * nf..(q * 4 + 4) * nf];
+        // rows 4q..4q + 4 are rows r0..r0 + 4 of the eight-row group m
+        let (m, r0) = (q * 4 / MR, q * 4 % MR);
+        for k in (0..blocks / 2).map(|j| 2 * j) {
+            let a = (m * blocks + k) * MR + r0;
+            let (lo, hi) = acc.split_at_mut(a + MR);
+            // SAFETY: the caller's guarantees, passed on
+            unsafe {
+                groups4x2(
+                    rows,
+                    sc,
+                    sched,
+                    xb(k),
+                    xb(k + 1),
+                    &mut lo[a..a + 4],
+                    &mut hi[..4],
+                    &mut ahead,
+                );
+            }
+        }
+    }
+    if blocks.is_multiple_of(2) {
+        return;
+    }
+    // an odd last block: eight rows a flush, group by group
+    let k = blocks - 1;
     for (fi, fl) in sched.iter().enumerate() {
         for m in 0..ROWS / MR {
             let rows: [&[i16]; MR] =
                 std::array::from_fn(|r| &wide[(m * MR + r) * kp..(m * MR + r + 1) * kp]);
             let sc: [f32; MR] = std::array::from_fn(|r| scales[(m * MR + r) * nf + fi]);
-            let dst = |k: usize| (m * blocks + k) * MR..(m * blocks + k + 1) * MR;
-            let mut k = 0;
-            while k + 2 <= blocks {
-                // SAFETY: the caller's guarantees, passed on
-                let (s0, s1) =
-                    unsafe { block_sums2(rows, xb(k), xb(k + 1), fl.start, fl.end, &mut ahead) };
-                // SAFETY: AVX-512 F (caller)
-                unsafe {
-                    flush_sums(&s0, &sc, &mut acc[dst(k)]);
-                    flush_sums(&s1, &sc, &mut acc[dst(k + 1)]);
-                }
-                k += 2;
-            }
-            while k < blocks {
-                // SAFETY: the caller's guarantees, passed on
-                let sums = unsafe { block_sums(rows, xb(k), fl.start, fl.end, &mut ahead) };
-                // SAFETY: AVX-512 F (caller)
-                unsafe { flush_sums(&sums, &sc, &mut acc[dst(k)]) };
-                k += 1;
-            }
+            let at = (m * blocks + k) * MR;
+            // SAFETY: the caller's guarantees, passed on
+            let sums = unsafe { block_sums(rows, xb(k), fl.start, fl.end, &mut ahead) };
+            // SAFETY: AVX-512 F (caller)
+            unsafe { flush_sums(&sums, &sc, &mut acc[at..at + MR]) };
         }
     }
 }
