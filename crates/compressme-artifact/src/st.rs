@@ -854,7 +854,8 @@ pub enum Durability {
     /// is started as it is written (every 64 MiB) but not waited for, so, as with the
     /// files `zstd`, `cp` and the safetensors writers leave, a power failure before the
     /// write-back may lose the new file (and, on file systems that do not order a
-    /// replacing rename after the data, the old file it replaced); a crash of the process never leaves a partial file under the name.
+    /// replacing rename after the data, the old file it replaced); a crash of the process
+    /// never leaves a partial file under the name.
     #[default]
     Cached,
     /// `fsync` before the rename: the file is on the disk when the call returns, at the

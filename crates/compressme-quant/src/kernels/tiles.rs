@@ -9,12 +9,12 @@
 //! and an add on the AVX2 tier. Eight weight rows share each load of the panel; on the
 //! AVX-512 tier two blocks of the panel (32 rows of `x`) run together with four weight
 //! rows, so each broadcast pair of codes meets both (eight sums in registers), through
-//! every group with the rows' f32 sums kept in registers too ([`groups4x2`]). While a task's kernel runs, the
-//! next task's codes are prefetched into the second-level cache ([`Ahead`]): each task
-//! widens its rows first, and that read would otherwise wait on memory. A group's sum
-//! for a row of `x` is one lane, so its flush is one convert and one fused multiply-add
-//! for all the lanes: the per-group work that bounds the one-row-at-a-time kernels (eight
-//! class sums to flush for each row and group) is gone.
+//! every group with the rows' f32 sums kept in registers too ([`groups4x2`]). While a
+//! task's kernel runs, the next task's codes are prefetched into the second-level cache
+//! ([`Ahead`]): each task widens its rows first, and that read would otherwise wait on
+//! memory. A group's sum for a row of `x` is one lane, so its flush is one convert and one
+//! fused multiply-add for all the lanes: the per-group work that bounds the
+//! one-row-at-a-time kernels (eight class sums to flush for each row and group) is gone.
 //!
 //! # Arithmetic (the same on every SIMD tier, and in [`reference`])
 //! For weight row `r` and `x` row `b`, with codes in the kernels' integer view:
