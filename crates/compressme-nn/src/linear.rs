@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use compressme_quant::{Format, Packed};
+use compressme_quant::{Format, Packed, Q5_0Matrix};
 
 use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
@@ -46,6 +46,11 @@ pub enum Weight {
     /// with candle's quantized kernels: kept so those formats can be run and timed beside
     /// ours on the same model.
     Ggml(Arc<QTensor>),
+    /// One of candle's Q5_0 tensors with a [`Q5_0Matrix`] built from its blocks beside it
+    /// ([`crate::replicate_q5_0`]): the products run on the matrix, whose outputs are the
+    /// bits of candle's own Q5_0 kernel (ggml's reference arithmetic) at a fraction of
+    /// that scalar loop's time; the tensor answers everything else.
+    GgmlReplica(Arc<QTensor>, Arc<Q5_0Matrix>),
     /// Lossless row blocks: exactly the original weights, decoded for every product
     /// (storage for a weight that must stay exact, at the cost of a decode per call).
     Lossless(Arc<PackedFrozenEmbedding>),
@@ -58,7 +63,7 @@ impl Weight {
         match self {
             Self::Dense(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
             Self::Packed(p) => p.stored_bytes() as u64,
-            Self::Ggml(q) => q.storage_size_in_bytes() as u64,
+            Self::Ggml(q) | Self::GgmlReplica(q, _) => q.storage_size_in_bytes() as u64,
             Self::Lossless(e) => e.stored_bytes(),
         }
     }
@@ -70,6 +75,7 @@ impl Weight {
             Self::Dense(t) => format!("dense {:?}", t.dtype()).to_lowercase(),
             Self::Packed(p) => p.format().to_string(),
             Self::Ggml(q) => format!("candle {:?}", q.dtype()).to_lowercase(),
+            Self::GgmlReplica(q, _) => format!("candle {:?} (replica)", q.dtype()).to_lowercase(),
             Self::Lossless(_) => "lossless".into(),
         }
     }
@@ -175,7 +181,7 @@ impl Linear {
                 p.dequantize_into(&mut out)?;
                 Ok(out)
             }
-            Weight::Ggml(q) => Ok(q
+            Weight::Ggml(q) | Weight::GgmlReplica(q, _) => Ok(q
                 .dequantize(&Device::Cpu)?
                 .flatten_all()?
                 .to_vec1::<f32>()?),
@@ -219,7 +225,7 @@ impl Linear {
                     &Device::Cpu,
                 )?
             }
-            Weight::Ggml(q) => q.embedding(&idx)?,
+            Weight::Ggml(q) | Weight::GgmlReplica(q, _) => q.embedding(&idx)?,
             Weight::Lossless(e) => e.lookup(&idx)?.to_dtype(DType::F32)?,
         };
         Ok(rows.reshape(shape)?)
@@ -279,7 +285,7 @@ impl Linear {
         let shape = match &weight {
             Weight::Dense(t) => t.dims2()?,
             Weight::Packed(p) => (p.rows(), p.cols()),
-            Weight::Ggml(q) => q.shape().dims2()?,
+            Weight::Ggml(q) | Weight::GgmlReplica(q, _) => q.shape().dims2()?,
             Weight::Lossless(e) => (
                 usize::try_from(e.num_embeddings()).unwrap_or(usize::MAX),
                 e.dim(),
@@ -311,6 +317,7 @@ impl Linear {
                     .forward(&x32)?
                     .to_dtype(x.dtype())?
             }
+            Weight::GgmlReplica(_, m) => replica_forward(&self.name, x, m)?,
             Weight::Lossless(e) => {
                 let w = e.weight()?.to_dtype(DType::F32)?;
                 let x32 = x.to_dtype(DType::F32)?;
@@ -371,6 +378,25 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
         tiled(&x32.reshape((n, cols))?, p)?.reshape(out_shape)?
     };
     Ok(y.to_dtype(x.dtype())?.to_device(x.device())?)
+}
+
+/// `x W^T` on a [`Q5_0Matrix`] (all of `x`'s rows in one call: its temporaries are the
+/// rows rounded to 8 bits and the output).
+fn replica_forward(name: &str, x: &Tensor, m: &Q5_0Matrix) -> Result<Tensor> {
+    let dims = x.dims();
+    if dims.last() != Some(&m.cols()) {
+        return Err(Error::Shape(format!(
+            "{name}: input {dims:?} does not end in {} features",
+            m.cols()
+        )));
+    }
+    let mut out_shape = dims.to_vec();
+    if let Some(last) = out_shape.last_mut() {
+        *last = m.rows();
+    }
+    let xv = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let y = m.matmul(&xv, xv.len() / m.cols().max(1))?;
+    Ok(Tensor::from_vec(y, out_shape, &Device::Cpu)?.to_dtype(x.dtype())?)
 }
 
 /// Whether this process's kernel tier runs the packed kernels at every batch (see

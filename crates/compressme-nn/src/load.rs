@@ -209,7 +209,7 @@ pub fn write_artifact<M: Model>(
                     w.add_packed(name, Dtype::F32, t.dims(), p)?;
                 }
                 Weight::Lossless(e) => lossless(&mut w, name, e)?,
-                Weight::Ggml(_) => {
+                Weight::Ggml(_) | Weight::GgmlReplica(..) => {
                     return Err(Error::BadStorage {
                         module: l.name().to_string(),
                         reason: "candle's formats are not an artifact storage".into(),

@@ -169,9 +169,10 @@ pub trait Model {
                 Some(ModuleRef::Linear(l)) => {
                     let device = match l.weight() {
                         Weight::Dense(t) => t.device().clone(),
-                        Weight::Packed(_) | Weight::Ggml(_) | Weight::Lossless(_) => {
-                            candle_core::Device::Cpu
-                        }
+                        Weight::Packed(_)
+                        | Weight::Ggml(_)
+                        | Weight::GgmlReplica(..)
+                        | Weight::Lossless(_) => candle_core::Device::Cpu,
                     };
                     Staged::Linear(l.prepare(storage, &device)?)
                 }

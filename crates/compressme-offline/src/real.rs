@@ -210,6 +210,14 @@ pub fn load_variant(file: &Path, candle: Option<LlamaFormat>) -> Result<Decoder>
     }
 }
 
+/// Whether two sets of rows of logits are the same bits.
+fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len() && x.iter().zip(y).all(|(u, v)| u.to_bits() == v.to_bits())
+        })
+}
+
 /// Parses a candle format name (`q8_0`, `q6_k`, `q4_k`, `q4_0`, `q5_0`).
 ///
 /// # Errors
@@ -420,9 +428,10 @@ pub fn run_real(
             r
         })?;
     progress.done(&format!(
-        "profiled {} windows of {}",
+        "profiled {} windows of {} in {:.0} s",
         windows.len(),
-        cfg.calibration_text
+        cfg.calibration_text,
+        t0.elapsed().as_secs_f64()
     ));
     let mut lm = lm;
     if cfg.sensitivity_tokens > 0 {
@@ -681,10 +690,17 @@ pub fn run_real(
                 fallback.name()
             )
         };
+        let replica = if fallback == LlamaFormat::Q5_0 {
+            "; on AVX-512 VNNI its Q5_0 linears are scored on compressme's replica of \
+             candle's scalar Q5_0 kernel (the same bits: every logit of the first window is \
+             compared with candle's), and timed on candle's own"
+        } else {
+            ""
+        };
         planned.push(Planned {
             name: format!("candle-{}", f.name()),
             description: format!(
-                "candle's {} for every linear{note}, saved as GGUF, run by candle's quantized kernels",
+                "candle's {} for every linear{note}, saved as GGUF, run by candle's quantized kernels{replica}",
                 f.name()
             ),
             control: false,
@@ -711,6 +727,7 @@ pub fn run_real(
     let mut files = Vec::new();
     for p in &planned {
         progress.stage(&p.name, 3);
+        let t_variant = Instant::now();
         let (file, file_bytes, candle) = match &p.spec {
             Spec::Ours {
                 choices,
@@ -748,8 +765,35 @@ pub fn run_real(
         let t_load = Instant::now();
         let model = load_variant(&file, candle)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
+        // candle's Q5_0 rows scored through the replica of its kernel, checked on the
+        // first window against candle's own; the timing below runs candle's own
+        let replica = match candle {
+            Some(_) => {
+                let mut m = load_variant(&file, candle)?;
+                let n = compressme_nn::replicate_q5_0(&mut m)?;
+                (n > 0).then_some((m, n))
+            }
+            None => None,
+        };
         progress.inc(1);
-        let logits = |ids: &[u32], rows: Rows| model.logits(ids, rows).map_err(|e| e.to_string());
+        let checked = std::cell::Cell::new(false);
+        let logits = |ids: &[u32], rows: Rows| -> std::result::Result<Vec<Vec<f32>>, String> {
+            let Some((fast, _)) = &replica else {
+                return model.logits(ids, rows).map_err(|e| e.to_string());
+            };
+            let got = fast.logits(ids, rows.clone()).map_err(|e| e.to_string())?;
+            if !checked.get() {
+                let want = model.logits(ids, rows).map_err(|e| e.to_string())?;
+                if !same_bits(&got, &want) {
+                    return Err(format!(
+                        "{}: the Q5_0 replica's logits are not candle's on the first window",
+                        p.name
+                    ));
+                }
+                checked.set(true);
+            }
+            Ok(got)
+        };
         let (scored, sh) = match &reference {
             None => {
                 let r = score_documents(&docs, window, true, logits)?;
@@ -762,15 +806,22 @@ pub fn run_real(
             Some(r) => score_against(&docs, window, r, logits)?,
         };
         let st = storage(&file, file_bytes, &model)?;
+        let replicated = replica.map_or(0, |(_, n)| n);
         progress.inc(1);
         progress.done(&format!(
-            "{}: {} -> {} bytes, perplexity {:.4}, KL {:.2e}, top-1 {:.4}",
+            "{}: {} -> {} bytes, perplexity {:.4}, KL {:.2e}, top-1 {:.4}{} in {:.0} s",
             p.name,
             st.module_dense_bytes,
             st.module_stored_bytes,
             scored.perplexity(),
             sh.kl_mean,
-            sh.top1_agreement
+            sh.top1_agreement,
+            if replicated > 0 {
+                format!(" ({replicated} Q5_0 linears on the replica, checked)")
+            } else {
+                String::new()
+            },
+            t_variant.elapsed().as_secs_f64()
         ));
         variants.push(Variant {
             name: p.name.clone(),
@@ -800,6 +851,7 @@ pub fn run_real(
     let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
     let n = files.len() * cfg.timing_threads.len();
     progress.stage("timing", (n * cfg.timing_reps) as u64);
+    let t_timing = Instant::now();
     let mut samples: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
         vec![vec![(Vec::new(), Vec::new()); cfg.timing_threads.len()]; files.len()];
     for round in 0..cfg.timing_reps {
@@ -838,10 +890,11 @@ pub fn run_real(
         }
     }
     progress.done(&format!(
-        "timed {} variants on {:?} threads, {} interleaved rounds, each in a child process",
+        "timed {} variants on {:?} threads, {} interleaved rounds, each in a child process, in {:.0} s",
         files.len(),
         cfg.timing_threads,
-        cfg.timing_reps
+        cfg.timing_reps,
+        t_timing.elapsed().as_secs_f64()
     ));
     for (v, per_thread) in variants.iter_mut().zip(samples) {
         v.timing.generate_threads = cfg

@@ -804,3 +804,41 @@ fn no_ids_decode_to_the_empty_text() {
     assert!(!ids.is_empty());
     assert!(!lm.decode(&ids).unwrap().is_empty());
 }
+
+/// candle's Q5_0 linears, then the same with [`compressme_nn::replicate_q5_0`]: every
+/// logit the same bits (on AVX-512 VNNI, where it replaces them; elsewhere it replaces
+/// none, said as skipped).
+#[test]
+fn replicated_q5_0_linears_give_candles_bits() {
+    use compressme_nn::{LlamaFormat, ModuleRef, Weight, llama_qtensor, replicate_q5_0};
+    let mut lm = open("llama-gqa");
+    let g = golden("llama-gqa");
+    let mut linears = 0;
+    for name in lm.model.module_names() {
+        let Some(ModuleRef::Linear(l)) = lm.model.module(&name) else {
+            continue;
+        };
+        let (rows, cols) = l.shape();
+        let q = llama_qtensor(&l.weight_f32().unwrap(), rows, cols, LlamaFormat::Q5_0).unwrap();
+        let Some(compressme_nn::ModuleMut::Linear(l)) = lm.model.module_mut(&name) else {
+            unreachable!("{name} was a linear a moment ago");
+        };
+        l.set_weight(Weight::Ggml(std::sync::Arc::new(q))).unwrap();
+        linears += 1;
+    }
+    let ids = ids_tensor(&g);
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.into_iter().map(f32::to_bits).collect()
+    };
+    let candle = bits(&lm.model.forward(&ids).unwrap());
+    let replaced = replicate_q5_0(&mut lm.model).unwrap();
+    if compressme_quant::kernel_tier().unwrap() == compressme_quant::Tier::Avx512Vnni {
+        assert_eq!(replaced, linears);
+        assert!(linears > 5, "{linears} linears");
+    } else {
+        assert_eq!(replaced, 0);
+        eprintln!("skipped: the replica's model-level bits (the kernel tier is not AVX-512 VNNI)");
+    }
+    assert_eq!(bits(&lm.model.forward(&ids).unwrap()), candle);
+}

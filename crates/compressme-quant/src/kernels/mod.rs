@@ -68,6 +68,7 @@ mod avx512;
 mod avxvnni;
 mod pool;
 mod portable;
+pub(crate) mod q5_0;
 #[cfg(target_arch = "x86_64")]
 mod rows8;
 #[cfg(target_arch = "x86_64")]

@@ -4,6 +4,7 @@
 mod budgets;
 mod gptq;
 mod properties;
+mod q5_0;
 
 use compressme_quant::{Format, GroupSize};
 
