@@ -63,7 +63,7 @@ pub use linear::{
     DIRECT_MAX_ROWS, KERNEL_CHUNK_ROWS, KERNEL_MIN_WEIGHTS, Linear, TILE_WEIGHTS, Weight,
 };
 pub use llama::{
-    LlamaFormat, LlamaQuantized, candle_kernel_tier, llama_qtensor, llama_quantize, replicate_q5_0,
+    LlamaFormat, LlamaQuantized, candle_kernel_tier, llama_qtensor, llama_quantize, replicate_ggml,
 };
 pub use load::{apply_artifact, write_artifact};
 pub use model::{Model, ModuleInfo, ModuleKind, ModuleMut, ModuleRef, Storage, StorageReport};

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use compressme_quant::{Format, Packed, Q5_0Matrix};
+use compressme_quant::{Format, GgmlMatrix, Packed};
 
 use crate::{Error, Hooks, PackedFrozenEmbedding, Result, Storage};
 
@@ -46,11 +46,11 @@ pub enum Weight {
     /// with candle's quantized kernels: kept so those formats can be run and timed beside
     /// ours on the same model.
     Ggml(Arc<QTensor>),
-    /// One of candle's Q5_0 tensors with a [`Q5_0Matrix`] built from its blocks beside it
-    /// ([`crate::replicate_q5_0`]): the products run on the matrix, whose outputs are the
-    /// bits of candle's own Q5_0 kernel (ggml's reference arithmetic) at a fraction of
-    /// that scalar loop's time; the tensor answers everything else.
-    GgmlReplica(Arc<QTensor>, Arc<Q5_0Matrix>),
+    /// One of candle's Q5_0 or Q8_0 tensors with a [`GgmlMatrix`] built from its blocks
+    /// beside it ([`crate::replicate_ggml`]): the products run on the matrix, whose
+    /// outputs are the bits of candle's own kernel for that tensor, in a fraction of its
+    /// time; the tensor answers everything else.
+    GgmlReplica(Arc<QTensor>, Arc<GgmlMatrix>),
     /// Lossless row blocks: exactly the original weights, decoded for every product
     /// (storage for a weight that must stay exact, at the cost of a decode per call).
     Lossless(Arc<PackedFrozenEmbedding>),
@@ -380,9 +380,9 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
     Ok(y.to_dtype(x.dtype())?.to_device(x.device())?)
 }
 
-/// `x W^T` on a [`Q5_0Matrix`] (all of `x`'s rows in one call: its temporaries are the
+/// `x W^T` on a [`GgmlMatrix`] (all of `x`'s rows in one call: its temporaries are the
 /// rows rounded to 8 bits and the output).
-fn replica_forward(name: &str, x: &Tensor, m: &Q5_0Matrix) -> Result<Tensor> {
+fn replica_forward(name: &str, x: &Tensor, m: &GgmlMatrix) -> Result<Tensor> {
     let dims = x.dims();
     if dims.last() != Some(&m.cols()) {
         return Err(Error::Shape(format!(

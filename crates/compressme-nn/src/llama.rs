@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 
 use std::sync::Arc;
 
-use compressme_quant::Q5_0Matrix;
+use compressme_quant::{GgmlKind, GgmlMatrix};
 
 use crate::{Error, Model, ModuleMut, Result, Weight};
 
@@ -154,12 +154,15 @@ pub fn llama_qtensor(w: &[f32], rows: usize, cols: usize, format: LlamaFormat) -
     Ok(QTensor::quantize(&t, format.ggml())?)
 }
 
-/// Puts a [`Q5_0Matrix`] beside every candle Q5_0 weight of `model`'s linears
-/// ([`crate::Weight::GgmlReplica`]), so that their products give candle's bits without
-/// its scalar loop (candle 0.11 has no SIMD path for Q5_0, the type llama.cpp's
-/// quantizer gives rows whose length is not a multiple of 256 in a Q4_K model).
-/// Returns how many it replaced: none unless the kernel tier is AVX-512 VNNI, the only
-/// tier with a faster path (elsewhere candle's own loop is as fast).
+/// Puts a [`GgmlMatrix`] beside the candle weights of `model`'s linears that candle
+/// multiplies one output at a time ([`crate::Weight::GgmlReplica`]), so that their
+/// products give candle's bits in a fraction of its time: every Q5_0 weight (candle 0.11
+/// has no SIMD path for Q5_0, the type llama.cpp's quantizer gives rows whose length is
+/// not a multiple of 256 in a Q4_K model), and the Q8_0 weights candle does not repack
+/// into its VNNI tiles (rows whose length is not a multiple of 256, or a row count not a
+/// multiple of 16), which it runs on its AVX2 dot product. Returns how many it replaced:
+/// none unless the kernel tier is AVX-512 VNNI, the only tier with a faster path, and
+/// where candle picks the same kernels as on the CPU this was checked on.
 ///
 /// For scoring quality only: a model whose speed stands for candle's keeps candle's
 /// kernels.
@@ -167,7 +170,7 @@ pub fn llama_qtensor(w: &[f32], rows: usize, cols: usize, format: LlamaFormat) -
 /// # Errors
 /// [`Error::Quant`] when `COMPRESSME_KERNEL` names a tier this CPU lacks or candle's
 /// bytes are not Q5_0 blocks of the tensor's shape; candle's errors reading them.
-pub fn replicate_q5_0<M: Model + ?Sized>(model: &mut M) -> Result<usize> {
+pub fn replicate_ggml<M: Model + ?Sized>(model: &mut M) -> Result<usize> {
     if compressme_quant::kernel_tier()? != compressme_quant::Tier::Avx512Vnni {
         return Ok(0);
     }
@@ -179,11 +182,16 @@ pub fn replicate_q5_0<M: Model + ?Sized>(model: &mut M) -> Result<usize> {
         let Weight::Ggml(q) = l.weight() else {
             continue;
         };
-        if q.dtype() != GgmlDType::Q5_0 {
-            continue;
-        }
         let (rows, cols) = q.shape().dims2()?;
-        let m = Q5_0Matrix::from_blocks(&q.data()?, rows, cols)?;
+        let kind = match q.dtype() {
+            GgmlDType::Q5_0 => GgmlKind::Q5_0,
+            // candle repacks these into its VNNI tiles (`repack_x86::select`)
+            GgmlDType::Q8_0 if !(cols.is_multiple_of(256) && rows.is_multiple_of(16)) => {
+                GgmlKind::Q8_0
+            }
+            _ => continue,
+        };
+        let m = GgmlMatrix::from_blocks(kind, &q.data()?, rows, cols)?;
         let w = Weight::GgmlReplica(Arc::clone(q), Arc::new(m));
         l.set_weight(w)?;
         replaced += 1;
@@ -205,51 +213,64 @@ mod tests {
         assert!(llama_quantize(&[f32::NAN; 32], 1, 32, LlamaFormat::Q8_0).is_err());
     }
 
-    /// A Q5_0 layer on its replica against candle's own kernel, on every tier this CPU
-    /// runs: the same bits, at one row and at a batch (candle's two paths).
+    /// Q5_0 and Q8_0 layers on their replicas against candle's own kernels, on every tier
+    /// this CPU runs: the same bits, at one row and at a batch (candle's two paths). The
+    /// Q8_0 bits are those of candle's AVX2 kernel, which it runs where the CPU has AVX2
+    /// and FMA.
     #[test]
-    fn a_q5_0_replica_gives_candles_bits_on_every_tier() {
+    fn ggml_replicas_give_candles_bits_on_every_tier() {
         use crate::{Hooks, Linear, Weight};
         use compressme_quant::{Backend, Tier};
-        let (rows, cols) = (40, 576);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0 * (1.0 + (i % 7) as f32))
-            .collect();
-        let q = Arc::new(llama_qtensor(&w, rows, cols, LlamaFormat::Q5_0).unwrap());
-        let m = Q5_0Matrix::from_blocks(&q.data().unwrap(), rows, cols).unwrap();
-        let dense = Tensor::from_slice(&w, (rows, cols), &Device::Cpu).unwrap();
-        let mut l = Linear::new("l", dense, None, Hooks::default()).unwrap();
-        l.set_weight(Weight::Ggml(Arc::clone(&q))).unwrap();
-        for batch in [1, 9] {
-            let xv: Vec<f32> = (0..batch * cols)
-                .map(|i| (i as f32 * 0.37).sin() * (1 + i % 5) as f32)
+        let avx2 = Tier::Avx2.supported();
+        for (format, kind) in [
+            (LlamaFormat::Q5_0, GgmlKind::Q5_0),
+            (LlamaFormat::Q8_0, GgmlKind::Q8_0),
+        ] {
+            if kind == GgmlKind::Q8_0 && !avx2 {
+                eprintln!("skipped: the Q8_0 replica (candle runs its scalar Q8_0 loop here)");
+                continue;
+            }
+            let (rows, cols) = (40, 576);
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0 * (1.0 + (i % 7) as f32))
                 .collect();
-            let x = Tensor::from_slice(&xv, (1, batch, cols), &Device::Cpu).unwrap();
-            let candle: Vec<u32> = l
-                .forward(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f32::to_bits)
-                .collect();
-            for tier in Tier::ALL.into_iter().filter(|t| t.supported()) {
-                let got: Vec<u32> = m
-                    .matmul_with(Backend::Tier(tier), &xv, batch)
+            let q = Arc::new(llama_qtensor(&w, rows, cols, format).unwrap());
+            let m = GgmlMatrix::from_blocks(kind, &q.data().unwrap(), rows, cols).unwrap();
+            let dense = Tensor::from_slice(&w, (rows, cols), &Device::Cpu).unwrap();
+            let mut l = Linear::new("l", dense, None, Hooks::default()).unwrap();
+            l.set_weight(Weight::Ggml(Arc::clone(&q))).unwrap();
+            for batch in [1, 9] {
+                let xv: Vec<f32> = (0..batch * cols)
+                    .map(|i| (i as f32 * 0.37).sin() * (1 + i % 5) as f32)
+                    .collect();
+                let x = Tensor::from_slice(&xv, (1, batch, cols), &Device::Cpu).unwrap();
+                let candle: Vec<u32> = l
+                    .forward(&x)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
                     .unwrap()
                     .into_iter()
                     .map(f32::to_bits)
                     .collect();
-                assert_eq!(got, candle, "tier {tier} at batch {batch}");
+                for tier in Tier::ALL.into_iter().filter(|t| t.supported()) {
+                    let got: Vec<u32> = m
+                        .matmul_with(Backend::Tier(tier), &xv, batch)
+                        .unwrap()
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect();
+                    assert_eq!(got, candle, "{kind:?}, tier {tier} at batch {batch}");
+                }
             }
+            let mut r = l.clone();
+            r.set_weight(Weight::GgmlReplica(Arc::clone(&q), Arc::new(m)))
+                .unwrap();
+            let name = format!("candle {:?} (replica)", format.ggml()).to_lowercase();
+            assert_eq!(r.weight().describe(), name);
+            assert_eq!(r.stored_bytes(), l.stored_bytes());
         }
-        let mut r = l.clone();
-        r.set_weight(Weight::GgmlReplica(Arc::clone(&q), Arc::new(m)))
-            .unwrap();
-        assert_eq!(r.weight().describe(), "candle q5_0 (replica)");
-        assert_eq!(r.stored_bytes(), l.stored_bytes());
     }
 
     #[test]

@@ -690,12 +690,17 @@ pub fn run_real(
                 fallback.name()
             )
         };
-        let replica = if fallback == LlamaFormat::Q5_0 {
-            "; on AVX-512 VNNI its Q5_0 linears are scored on compressme's replica of \
-             candle's scalar Q5_0 kernel (the same bits: every logit of the first window is \
-             compared with candle's), and timed on candle's own"
+        // `compressme_nn::replicate_ggml` takes these
+        let replica = if matches!(fallback, LlamaFormat::Q5_0 | LlamaFormat::Q8_0) {
+            format!(
+                "; on AVX-512 VNNI its {} linears of {} columns are scored on compressme's \
+                 replica of the kernel candle runs for them (the same bits: every logit of \
+                 the first window is compared with candle's), and timed on candle's own",
+                fallback.name(),
+                model_cfg.hidden
+            )
         } else {
-            ""
+            String::new()
         };
         planned.push(Planned {
             name: format!("candle-{}", f.name()),
@@ -765,12 +770,12 @@ pub fn run_real(
         let t_load = Instant::now();
         let model = load_variant(&file, candle)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
-        // candle's Q5_0 rows scored through the replica of its kernel, checked on the
-        // first window against candle's own; the timing below runs candle's own
+        // candle's Q5_0 and unrepacked Q8_0 linears scored on the replica of its kernels,
+        // checked on the first window against candle's own; the timing runs candle's own
         let replica = match candle {
             Some(_) => {
                 let mut m = load_variant(&file, candle)?;
-                let n = compressme_nn::replicate_q5_0(&mut m)?;
+                let n = compressme_nn::replicate_ggml(&mut m)?;
                 (n > 0).then_some((m, n))
             }
             None => None,
@@ -786,7 +791,7 @@ pub fn run_real(
                 let want = model.logits(ids, rows).map_err(|e| e.to_string())?;
                 if !same_bits(&got, &want) {
                     return Err(format!(
-                        "{}: the Q5_0 replica's logits are not candle's on the first window",
+                        "{}: the replica's logits are not candle's on the first window",
                         p.name
                     ));
                 }
@@ -817,7 +822,7 @@ pub fn run_real(
             sh.kl_mean,
             sh.top1_agreement,
             if replicated > 0 {
-                format!(" ({replicated} Q5_0 linears on the replica, checked)")
+                format!(" ({replicated} linears on the replica, checked)")
             } else {
                 String::new()
             },

@@ -55,7 +55,7 @@ pub use format::{
     Format, GroupSize, NF4_CODEBOOK, Packed, SCALE_GRID, quantize, quantize_gptq, quantize_weighted,
 };
 pub use gptq::GptqFactor;
-pub use kernels::q5_0::{Q5_0_BLOCK, Q5_0_BLOCK_BYTES, Q5_0Matrix};
+pub use kernels::ggml::{GGML_BLOCK, GgmlKind, GgmlMatrix};
 pub use kernels::{
     Activations, Backend, NF4_I8, Tier, activations_for, error_bound, error_bound_block8,
     kernel_tier, matmul, matmul_into, matmul_into_using, matmul_into_with, matmul_with,

@@ -805,12 +805,21 @@ fn no_ids_decode_to_the_empty_text() {
     assert!(!lm.decode(&ids).unwrap().is_empty());
 }
 
-/// candle's Q5_0 linears, then the same with [`compressme_nn::replicate_q5_0`]: every
-/// logit the same bits (on AVX-512 VNNI, where it replaces them; elsewhere it replaces
-/// none, said as skipped).
+/// candle's Q5_0 and Q8_0 linears, then the same with [`compressme_nn::replicate_ggml`]:
+/// every logit the same bits (on AVX-512 VNNI, where it replaces them; elsewhere it
+/// replaces none, said as skipped).
 #[test]
-fn replicated_q5_0_linears_give_candles_bits() {
-    use compressme_nn::{LlamaFormat, ModuleRef, Weight, llama_qtensor, replicate_q5_0};
+fn replicated_ggml_linears_give_candles_bits() {
+    for format in [
+        compressme_nn::LlamaFormat::Q5_0,
+        compressme_nn::LlamaFormat::Q8_0,
+    ] {
+        replicated_linears_give_candles_bits(format);
+    }
+}
+
+fn replicated_linears_give_candles_bits(format: compressme_nn::LlamaFormat) {
+    use compressme_nn::{ModuleRef, Weight, llama_qtensor, replicate_ggml};
     let mut lm = open("llama-gqa");
     let g = golden("llama-gqa");
     let mut linears = 0;
@@ -819,7 +828,7 @@ fn replicated_q5_0_linears_give_candles_bits() {
             continue;
         };
         let (rows, cols) = l.shape();
-        let q = llama_qtensor(&l.weight_f32().unwrap(), rows, cols, LlamaFormat::Q5_0).unwrap();
+        let q = llama_qtensor(&l.weight_f32().unwrap(), rows, cols, format).unwrap();
         let Some(compressme_nn::ModuleMut::Linear(l)) = lm.model.module_mut(&name) else {
             unreachable!("{name} was a linear a moment ago");
         };
@@ -832,13 +841,15 @@ fn replicated_q5_0_linears_give_candles_bits() {
         v.into_iter().map(f32::to_bits).collect()
     };
     let candle = bits(&lm.model.forward(&ids).unwrap());
-    let replaced = replicate_q5_0(&mut lm.model).unwrap();
+    let replaced = replicate_ggml(&mut lm.model).unwrap();
     if compressme_quant::kernel_tier().unwrap() == compressme_quant::Tier::Avx512Vnni {
-        assert_eq!(replaced, linears);
+        assert_eq!(replaced, linears, "{format:?}");
         assert!(linears > 5, "{linears} linears");
     } else {
         assert_eq!(replaced, 0);
-        eprintln!("skipped: the replica's model-level bits (the kernel tier is not AVX-512 VNNI)");
+        eprintln!(
+            "skipped: the {format:?} replica's model-level bits (the kernel tier is not AVX-512 VNNI)"
+        );
     }
-    assert_eq!(bits(&lm.model.forward(&ids).unwrap()), candle);
+    assert_eq!(bits(&lm.model.forward(&ids).unwrap()), candle, "{format:?}");
 }

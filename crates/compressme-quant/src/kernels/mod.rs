@@ -66,9 +66,9 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avxvnni;
+pub(crate) mod ggml;
 mod pool;
 mod portable;
-pub(crate) mod q5_0;
 #[cfg(target_arch = "x86_64")]
 mod rows8;
 #[cfg(target_arch = "x86_64")]

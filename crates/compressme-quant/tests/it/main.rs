@@ -2,9 +2,9 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)] // tests
 
 mod budgets;
+mod ggml;
 mod gptq;
 mod properties;
-mod q5_0;
 
 use compressme_quant::{Format, GroupSize};
 
