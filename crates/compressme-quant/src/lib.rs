@@ -25,6 +25,10 @@
 //! on that first product for the kernel to read in order ([`Packed::layout_bytes`] counts
 //! it; `COMPRESSME_REPACK=0` turns it off; the outputs are the same bits).
 //!
+//! Beside our formats, [`GgmlMatrix`] holds llama.cpp's Q5_0 or Q8_0 blocks and multiplies
+//! them with the arithmetic candle uses for them, to its bits ([`GgmlKind`] says which), in
+//! a fraction of its time where candle runs one output at a time.
+//!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
 //! benches put llama.cpp's formats beside these), and not a file format (the artifact
 //! crate stores these buffers).
