@@ -828,6 +828,11 @@ fn replicated_linears_give_candles_bits(format: compressme_nn::LlamaFormat) {
             continue;
         };
         let (rows, cols) = l.shape();
+        // candle asserts (in debug builds, from a worker of its pool, which a panic
+        // poisons for every later product) that a Q5_0 row has an even number of blocks
+        if format == compressme_nn::LlamaFormat::Q5_0 && (cols / 32) % 2 == 1 {
+            continue;
+        }
         let q = llama_qtensor(&l.weight_f32().unwrap(), rows, cols, format).unwrap();
         let Some(compressme_nn::ModuleMut::Linear(l)) = lm.model.module_mut(&name) else {
             unreachable!("{name} was a linear a moment ago");

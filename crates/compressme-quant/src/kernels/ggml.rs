@@ -67,7 +67,7 @@ impl GgmlKind {
     }
 
     /// What a stored code is biased by to make it an unsigned byte.
-    fn bias(self) -> i32 {
+    fn bias(self) -> u8 {
         match self {
             Self::Q5_0 => 16,
             Self::Q8_0 => 128,
@@ -119,8 +119,7 @@ impl GgmlMatrix {
         }
         let tiles = rows.div_ceil(TILE_ROWS);
         // padding rows: code `bias` (weight 0), scale 0
-        let pad = u8::try_from(kind.bias()).unwrap_or(u8::MAX);
-        let mut codes = vec![pad; tiles * nb * TILE_BLOCK];
+        let mut codes = vec![kind.bias(); tiles * nb * TILE_BLOCK];
         let mut scales = vec![0f32; tiles * nb * TILE_ROWS];
         for (r, row) in bytes.chunks_exact(nb * size).enumerate() {
             let (t, j) = (r / TILE_ROWS, r % TILE_ROWS);
@@ -304,7 +303,7 @@ impl QuantizedX {
 /// One tile's outputs `[batch, 16]`: the definitions, one output at a time.
 fn portable_tile(tile: &Tile<'_>, x: &QuantizedX, out: &mut [f32]) {
     let nb = x.nb;
-    let bias = tile.kind.bias();
+    let bias = i32::from(tile.kind.bias());
     for (r, o) in out.chunks_exact_mut(TILE_ROWS).enumerate() {
         let xq = &x.q[r * nb * GGML_BLOCK..][..nb * GGML_BLOCK];
         for (j, o) in o.iter_mut().enumerate() {
