@@ -141,12 +141,6 @@ impl GgmlMatrix {
         })
     }
 
-    /// The type held.
-    #[must_use]
-    pub fn kind(&self) -> GgmlKind {
-        self.kind
-    }
-
     /// Output features.
     #[must_use]
     pub fn rows(&self) -> usize {
@@ -157,12 +151,6 @@ impl GgmlMatrix {
     #[must_use]
     pub fn cols(&self) -> usize {
         self.cols
-    }
-
-    /// Bytes held in memory (the interleaved codes and the f32 scales).
-    #[must_use]
-    pub fn held_bytes(&self) -> usize {
-        self.codes.len() + self.scales.len() * 4
     }
 
     /// `x W^T` for `x` of `[batch, cols]`, `[batch, rows]` out, on all cores with the
