@@ -774,7 +774,8 @@ pub fn run_real(
         // checked on the first window against candle's own; the timing runs candle's own
         let replica = match candle {
             Some(_) => {
-                let mut m = load_variant(&file, candle)?;
+                // the clone shares the loaded tensors; only its linears' weights change
+                let mut m = model.clone();
                 let n = compressme_nn::replicate_ggml(&mut m)?;
                 (n > 0).then_some((m, n))
             }

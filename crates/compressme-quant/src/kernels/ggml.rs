@@ -237,14 +237,14 @@ struct QuantizedX {
     batch: usize,
     /// Blocks a row.
     nb: usize,
-    /// `[batch, cols]` rounded values.
-    q: Vec<i8>,
-    /// The same, four consecutive values a little-endian word.
+    /// `[batch, cols]` rounded values, four consecutive ones a little-endian word.
     words: Vec<i32>,
     /// `[batch, nb]` scales, as the f16 stored then read back.
     d: Vec<f32>,
-    /// `[batch, nb * 8]` sums of `q` over each group of four columns.
+    /// `[batch, nb * 8]` sums of the rounded values over each group of four columns.
     sums: Vec<i32>,
+    /// `[batch, nb]` sums of the rounded values over each block.
+    block_sums: Vec<i32>,
 }
 
 impl QuantizedX {
@@ -269,10 +269,11 @@ impl QuantizedX {
                 }
             }
         }
-        let sums = q
+        let sums: Vec<i32> = q
             .chunks_exact(4)
             .map(|c| c.iter().map(|&v| i32::from(v)).sum())
             .collect();
+        let block_sums = sums.chunks_exact(GROUPS).map(|c| c.iter().sum()).collect();
         let words = q
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes([0, 1, 2, 3].map(|k| c[k].to_le_bytes()[0])))
@@ -280,10 +281,10 @@ impl QuantizedX {
         Self {
             batch,
             nb,
-            q,
             words,
             d,
             sums,
+            block_sums,
         }
     }
 }
@@ -293,14 +294,14 @@ fn portable_tile(tile: &Tile<'_>, x: &QuantizedX, out: &mut [f32]) {
     let nb = x.nb;
     let bias = i32::from(tile.kind.bias());
     for (r, o) in out.chunks_exact_mut(TILE_ROWS).enumerate() {
-        let xq = &x.q[r * nb * GGML_BLOCK..][..nb * GGML_BLOCK];
         for (j, o) in o.iter_mut().enumerate() {
             // the sum of the four products of group `g` of block `b`
             let group = |b: usize, g: usize| -> i32 {
                 (0..4)
                     .map(|t| {
                         let u = tile.codes[b * TILE_BLOCK + g * 4 * TILE_ROWS + j * 4 + t];
-                        (i32::from(u) - bias) * i32::from(xq[b * GGML_BLOCK + g * 4 + t])
+                        let word = x.words[(r * nb + b) * GROUPS + g].to_le_bytes();
+                        (i32::from(u) - bias) * i32::from(i8::from_le_bytes([word[t]]))
                     })
                     .sum()
             };
@@ -360,6 +361,7 @@ mod avx512 {
                 && out.len() == x.batch * TILE_ROWS
                 && x.words.len() == x.batch * nb * GROUPS
                 && x.sums.len() == x.batch * nb * GROUPS
+                && x.block_sums.len() == x.batch * nb
                 && x.d.len() == x.batch * nb,
             "ggml tile: inconsistent lengths"
         );
@@ -438,8 +440,7 @@ mod avx512 {
             let dw = unsafe { _mm512_loadu_ps(tile.scales.as_ptr().add(b * TILE_ROWS)) };
             for (n, (f, a)) in sumf.iter_mut().zip(acc).enumerate() {
                 let i = (r + n) * nb + b;
-                let xsum: i32 = x.sums[i * GROUPS..][..GROUPS].iter().sum();
-                let sumi = _mm512_sub_epi32(a, _mm512_set1_epi32(16 * xsum));
+                let sumi = _mm512_sub_epi32(a, _mm512_set1_epi32(16 * x.block_sums[i]));
                 let s = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dw);
                 let s = _mm512_mul_ps(s, _mm512_set1_ps(x.d[i]));
                 *f = _mm512_add_ps(*f, s);
