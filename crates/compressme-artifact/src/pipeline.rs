@@ -3,13 +3,16 @@
 //! fit a budget (one item is always admitted, however heavy), run on rayon's pool (each
 //! may itself run in parallel), and their results are handed to a sink in the items'
 //! order on the calling thread, so a writer's output does not depend on the thread
-//! count and writing overlaps the work of later items.
+//! count and writing overlaps the work of later items. The calling thread may be one of
+//! rayon's workers (a caller running several writers side by side): while it waits for
+//! a result it runs the pool's other jobs, its own items among them.
 #![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::time::Duration;
 
 use crate::Result;
 
@@ -19,7 +22,8 @@ use crate::Result;
 /// error (from `work` or `sink`) stops admission and is returned once the items already
 /// running have finished; a panic in `work` is resumed on the calling thread.
 ///
-/// The calling thread waits on results, so it should not be one of rayon's workers.
+/// A calling thread that is one of rayon's workers runs the pool's jobs while it waits
+/// (see [`receive`]), so the items it spawned run even when every worker is a caller.
 ///
 /// # Errors
 /// The first error `work` or `sink` returned.
@@ -114,7 +118,7 @@ where
             if next == admitted {
                 break; // everything admitted has been sunk, and nothing more will be
             }
-            let Ok((i, w, r)) = rx.recv() else { break };
+            let Some((i, w, r)) = receive(&rx) else { break };
             if hold == Hold::UntilDone {
                 in_flight = in_flight.saturating_sub(w);
             }
@@ -142,6 +146,31 @@ where
         }
         first_err.map_or(Ok(()), Err)
     })
+}
+
+/// The next message of `rx`, or `None` once every sender is gone. On one of rayon's
+/// workers it runs the pool's pending jobs (the items this caller spawned among them)
+/// while none has come, so callers running side by side on every worker still finish;
+/// elsewhere it blocks.
+fn receive<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
+    if rayon::current_thread_index().is_none() {
+        return rx.recv().ok();
+    }
+    loop {
+        match rx.try_recv() {
+            Ok(m) => return Some(m),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            // nothing to run: the items are running elsewhere; wait for one a little
+            match rx.recv_timeout(Duration::from_micros(200)) {
+                Ok(m) => return Some(m),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -230,6 +259,44 @@ mod tests {
         .unwrap();
         assert_eq!(got, (0..200).map(|i| i * 2).collect::<Vec<_>>());
         assert!(peak.load(std::sync::atomic::Ordering::SeqCst) <= 10);
+    }
+
+    #[test]
+    fn callers_on_every_worker_of_the_pool_finish() {
+        // two callers side by side on a pool of two: each waits on items only the pool
+        // can run, and both of its workers are callers (a blocking wait deadlocked here)
+        let (done, wait) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
+            let sums = pool.install(|| {
+                let one = |k: u64| {
+                    let mut sum = 0;
+                    ordered(
+                        0..50u64,
+                        |_| 1,
+                        4,
+                        |i| {
+                            std::thread::sleep(std::time::Duration::from_micros(100));
+                            Ok(i * k)
+                        },
+                        |r| {
+                            sum += r;
+                            Ok(())
+                        },
+                    )
+                    .map(|()| sum)
+                };
+                rayon::join(|| one(1), || one(2))
+            });
+            let _ = done.send(sums);
+        });
+        let got = wait.recv_timeout(std::time::Duration::from_secs(60));
+        assert!(got.is_ok(), "the callers did not finish in a minute");
+        let (a, b) = got.unwrap();
+        assert_eq!((a.unwrap(), b.unwrap()), (1225, 2450));
     }
 
     #[test]

@@ -190,12 +190,15 @@ impl Default for Config {
     }
 }
 
-/// Progress of a long run, for a caller that shows it (the CLI draws bars).
-pub trait Progress {
+/// Progress of a long run, for a caller that shows it (the CLI draws bars). `Sync`: a
+/// stage may run its work side by side on several threads, each reporting.
+pub trait Progress: Sync {
     /// A stage of `total` units begins.
     fn stage(&self, name: &str, total: u64);
     /// `n` more units are done.
     fn inc(&self, n: u64);
+    /// A line of the stage's results, shown while it goes on.
+    fn note(&self, line: &str);
     /// The stage is over, with a one-line summary.
     fn done(&self, summary: &str);
 }
@@ -207,6 +210,7 @@ pub struct NoProgress;
 impl Progress for NoProgress {
     fn stage(&self, _: &str, _: u64) {}
     fn inc(&self, _: u64) {}
+    fn note(&self, _: &str) {}
     fn done(&self, _: &str) {}
 }
 

@@ -271,16 +271,15 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
 /// position) of the model's next-token distributions with that linear alone quantized to
 /// `format`, from the unchanged model's, scored as the variants are
 /// (`compressme_eval::score_against`, one window over `ids`); then puts it into
-/// `profile`'s estimates (`compressme_profile::measure_sensitivity`). A linear of a block
-/// is run from that block's input, kept from one pass of the unchanged model, so a
-/// measurement costs the blocks from its own on and the head, not the whole model.
-/// `progress` advances once a linear.
+/// `profile`'s estimates (`compressme_profile::measure_sensitivity`, a lane a thread). A
+/// linear of a block is run from that block's input, kept from one pass of the unchanged
+/// model, so a measurement costs the blocks from its own on and the head, not the whole
+/// model. `progress` advances once a linear.
 ///
 /// # Errors
-/// More ids than the model's context; the model's and the measurement's failures (the
-/// model is left as it was).
+/// More ids than the model's context; the model's and the measurement's failures.
 pub fn measure_decoder_sensitivity(
-    model: &mut Decoder,
+    model: &Decoder,
     profile: &mut compressme_profile::Profile,
     ids: &[u32],
     format: Format,
@@ -299,6 +298,7 @@ pub fn measure_decoder_sensitivity(
         model,
         profile,
         format,
+        candle_core::utils::get_num_threads(),
         |m, name| {
             let logits = |w: &[u32], rows: Rows| {
                 match m.block_of(name).and_then(|b| Some((b, inputs.get(b)?))) {
@@ -433,7 +433,6 @@ pub fn run_real(
         cfg.calibration_text,
         t0.elapsed().as_secs_f64()
     ));
-    let mut lm = lm;
     if cfg.sensitivity_tokens > 0 {
         let ids = calib_ids
             .get(..cfg.sensitivity_tokens.min(model_cfg.context))
@@ -454,14 +453,13 @@ pub fn run_real(
             .count();
         progress.stage("sensitivity", n as u64);
         let t = Instant::now();
-        measure_decoder_sensitivity(&mut lm.model, &mut profile, ids, format, progress)?;
+        measure_decoder_sensitivity(&lm.model, &mut profile, ids, format, progress)?;
         progress.done(&format!(
             "measured {n} linears at {format} on {} tokens in {:.0} s",
             ids.len(),
             t.elapsed().as_secs_f64()
         ));
     }
-    let lm = lm;
     let profile_json = profile.to_json()?;
     // kept beside the variants: the plans in the report are made from it
     let profile_path = work_dir.join("profile.json");
@@ -727,11 +725,12 @@ pub fn run_real(
         stride: cfg.stride,
     };
     let docs = vec![eval_ids.clone()];
-    let mut reference: Option<Scored> = None;
-    let mut variants = Vec::new();
-    let mut files = Vec::new();
-    for p in &planned {
-        progress.stage(&p.name, 3);
+    // one variant: store, reload, score (against `reference`, or as the reference with
+    // its distributions); `note` gets its line
+    let one = |p: &Planned,
+               reference: Option<&Scored>,
+               note: &dyn Fn(&str)|
+     -> Result<(Variant, PathBuf, Option<LlamaFormat>, Option<Scored>)> {
         let t_variant = Instant::now();
         let (file, file_bytes, candle) = match &p.spec {
             Spec::Ours {
@@ -800,21 +799,23 @@ pub fn run_real(
             }
             Ok(got)
         };
-        let (scored, sh) = match &reference {
+        let (scored, sh, kept) = match reference {
             None => {
                 let r = score_documents(&docs, window, true, logits)?;
                 let sh = shift(&r, &r)?;
-                let mut kept = r.clone();
-                kept.distributions = Vec::new();
-                reference = Some(r);
-                (kept, sh)
+                let mut scored = r.clone();
+                scored.distributions = Vec::new();
+                (scored, sh, Some(r))
             }
-            Some(r) => score_against(&docs, window, r, logits)?,
+            Some(r) => {
+                let (scored, sh) = score_against(&docs, window, r, logits)?;
+                (scored, sh, None)
+            }
         };
         let st = storage(&file, file_bytes, &model)?;
         let replicated = replica.map_or(0, |(_, n)| n);
         progress.inc(1);
-        progress.done(&format!(
+        note(&format!(
             "{}: {} -> {} bytes, perplexity {:.4}, KL {:.2e}, top-1 {:.4}{} in {:.0} s",
             p.name,
             st.module_dense_bytes,
@@ -829,7 +830,7 @@ pub fn run_real(
             },
             t_variant.elapsed().as_secs_f64()
         ));
-        variants.push(Variant {
+        let variant = Variant {
             name: p.name.clone(),
             description: p.description.clone(),
             control: p.control,
@@ -846,10 +847,64 @@ pub fn run_real(
             },
             peak_rss_bytes: None,
             baseline_rss_bytes: None,
-        });
+        };
+        Ok((variant, file, candle, kept))
+    };
+    // the reference first, on every core: the others are scored against its
+    // distributions
+    let (reference_plan, others) = planned
+        .split_first()
+        .filter(|(p, _)| p.name == "f32")
+        .ok_or_else(|| Error::Config("the variants do not start with the f32 reference".into()))?;
+    progress.stage(&reference_plan.name, 3);
+    let (v, file, candle, kept) = one(reference_plan, None, &|line| progress.done(line))?;
+    let reference = kept.ok_or_else(|| Error::Config("the reference kept no scores".into()))?;
+    let mut variants = vec![v];
+    let mut files = vec![(file, candle)];
+    // ours side by side, a lane a core, each on one thread (the same bits as on all of
+    // them); candle's one at a time on every core, its quantized kernels on their own pool
+    let (ours, theirs): (Vec<&Planned>, Vec<&Planned>) = others
+        .iter()
+        .partition(|p| matches!(p.spec, Spec::Ours { .. }));
+    let lanes = candle_core::utils::get_num_threads();
+    progress.stage(
+        &format!("{} variants, {lanes} lanes", ours.len()),
+        3 * ours.len() as u64,
+    );
+    let t_ours = Instant::now();
+    let done = compressme_quant::in_lanes(
+        &ours,
+        lanes,
+        || Ok(()),
+        |(), p| one(p, Some(&reference), &|line| progress.note(line)),
+    )?;
+    progress.done(&format!(
+        "{} variants of ours stored, reloaded and scored in {lanes} lanes of one thread in {:.0} s",
+        ours.len(),
+        t_ours.elapsed().as_secs_f64()
+    ));
+    for p in theirs {
+        progress.stage(&p.name, 3);
+        let (v, file, candle, _) = one(p, Some(&reference), &|line| progress.done(line))?;
+        variants.push(v);
         files.push((file, candle));
     }
-    let targets = reference.as_ref().map_or(0, |r| r.tokens.len());
+    // in the planned order
+    for (v, file, candle, _) in done {
+        variants.push(v);
+        files.push((file, candle));
+    }
+    let order: BTreeMap<&str, usize> = planned
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.name.as_str(), i))
+        .collect();
+    let mut paired: Vec<(Variant, (PathBuf, Option<LlamaFormat>))> =
+        variants.into_iter().zip(files).collect();
+    paired.sort_by_key(|(v, _)| order.get(v.name.as_str()).copied());
+    let (mut variants, files): (Vec<Variant>, Vec<(PathBuf, Option<LlamaFormat>)>) =
+        paired.into_iter().unzip();
+    let targets = reference.tokens.len();
     drop(reference);
 
     // memory and speed, each variant in child processes, in interleaved rounds

@@ -187,7 +187,9 @@ fn linear_weights(m: &CausalLm) -> Vec<(String, Vec<f32>)> {
 
 #[test]
 fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
-    let mut m = model();
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let m = model();
     let data = batches(2, 4);
     let mut p = ActivationRecorder::new(ProfileSettings::default())
         .record(&m, &data, |m, ids| m.forward(ids).map(drop))
@@ -205,18 +207,19 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
     };
     let reference = out(&m);
     let probe = Format::Nf4Block(compressme_quant::GroupSize::G32);
-    let mut done = Vec::new();
-    let mut changed = Vec::new();
+    let done = Mutex::new(Vec::new());
+    let changed = Mutex::new(Vec::new());
     compressme_profile::measure_sensitivity(
-        &mut m,
+        &m,
         &mut p,
         probe,
+        1,
         |m, name| {
             // the module is quantized while it is measured, and only it
             let now = linear_weights(m);
             for ((n, a), (_, b)) in weights.iter().zip(&now) {
                 if a != b {
-                    changed.push((name.to_string(), n.clone()));
+                    changed.lock().unwrap().push((name.to_string(), n.clone()));
                 }
             }
             let o = out(m);
@@ -226,9 +229,33 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
                 .sum::<f64>()
                 / o.len() as f64)
         },
-        |n| done.push(n.to_string()),
+        |n| done.lock().unwrap().push(n.to_string()),
     )
     .unwrap();
+    let (done, changed) = (done.into_inner().unwrap(), changed.into_inner().unwrap());
+    // two lanes side by side: the same measurements, each module once
+    let mut p2 = before.clone();
+    let done2 = Mutex::new(Vec::new());
+    compressme_profile::measure_sensitivity(
+        &m,
+        &mut p2,
+        probe,
+        2,
+        |m, _| {
+            let o = out(m);
+            Ok(o.iter()
+                .zip(&reference)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>()
+                / o.len() as f64)
+        },
+        |n| done2.lock().unwrap().push(n.to_string()),
+    )
+    .unwrap();
+    assert!(p2 == p, "two lanes measure what one does");
+    let mut done2 = done2.into_inner().unwrap();
+    done2.sort();
+    assert_eq!(done2, done);
     let linears: Vec<String> = before
         .modules
         .iter()
@@ -276,26 +303,33 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
     let cands = [Format::Int8, probe];
     let plan = Plan::within_budget(&p, &cands, 1 << 20, Policy::default()).unwrap();
     assert!(plan.estimated_error.unwrap() >= 0.0);
-    // a failing measure is named with its module, and the model is left as it was
-    let mut q = before.clone();
-    let e = compressme_profile::measure_sensitivity(
-        &mut m,
-        &mut q,
-        probe,
-        |_, n| {
-            if n == linears[1] {
-                Err("injected".into())
-            } else {
-                Ok(1.0)
-            }
-        },
-        |_| {},
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("injected"), "{e}");
-    assert!(e.to_string().contains(&linears[1]), "{e}");
-    assert_eq!(linear_weights(&m), weights, "the model is as it was");
-    assert_eq!(q, before, "and so is the profile");
+    // a failing measure is named with its module (the first in name order, in any
+    // lanes), and the model and the profile are left as they were
+    for lanes in [1, 2] {
+        let mut q = before.clone();
+        let e = compressme_profile::measure_sensitivity(
+            &m,
+            &mut q,
+            probe,
+            lanes,
+            |_, n| {
+                if n == linears[1] || n == linears[linears.len() - 1] {
+                    Err(format!("injected at {n}"))
+                } else {
+                    Ok(1.0)
+                }
+            },
+            |_| {},
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("injected at {}", linears[1])),
+            "{e}"
+        );
+        assert_eq!(linear_weights(&m), weights, "the model is as it was");
+        assert_eq!(q, before, "and so is the profile");
+    }
     // a probe the profile has no estimate for is refused before anything changes
     let mut only_int8 = ActivationRecorder::new(ProfileSettings {
         candidates: vec!["int8".into()],
@@ -303,20 +337,21 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
     })
     .record(&m, &data, |m, ids| m.forward(ids).map(drop))
     .unwrap();
-    let mut calls = 0;
+    let calls = AtomicUsize::new(0);
     let e = compressme_profile::measure_sensitivity(
-        &mut m,
+        &m,
         &mut only_int8,
         probe,
+        2,
         |_, _| {
-            calls += 1;
+            calls.fetch_add(1, Ordering::Relaxed);
             Ok(1.0)
         },
         |_| {},
     )
     .unwrap_err();
     assert!(e.to_string().contains("no estimate for nf4-g32"), "{e}");
-    assert_eq!(calls, 0);
+    assert_eq!(calls.load(Ordering::Relaxed), 0);
     assert!(only_int8.modules.values().all(|s| s.measured.is_none()));
 }
 

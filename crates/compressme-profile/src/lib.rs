@@ -324,10 +324,13 @@ pub struct Measured {
 /// Measures each linear's sensitivity and puts the measurement into the estimates a
 /// budget plan minimises.
 ///
-/// For every linear of `profile` (in name order) the model's weight is replaced by its
-/// round trip through `format` (activation-aware scales from the profile for blockwise
-/// 4-bit formats, as a plan stores them), `measure(model, module)` is called, and the
-/// weight is put back, also when the measure fails. Then each linear's
+/// For every linear of `profile` a copy of `model` gets the linear's weight replaced by
+/// its round trip through `format` (activation-aware scales from the profile for
+/// blockwise 4-bit formats, as a plan stores them), `measure(copy, module)` is called,
+/// and the weight is put back. The linears are measured in `lanes` lanes side by side,
+/// each on its own copy of `model` and one thread ([`compressme_quant::in_lanes`]), so
+/// `measure` must not depend on the thread count (the kernels' outputs do not); `model`
+/// itself is never changed. Then each linear's
 /// `estimated_error[f]` becomes `value · heuristic(f) / heuristic(format)`, where the
 /// heuristic is the recorded one's formula applied to each format as a plan stores it
 /// (activation-aware scales included): the measurement fixes the module's scale (how
@@ -335,77 +338,91 @@ pub struct Measured {
 /// formats within one module, which it does see (the weights' round-trip error under
 /// each format). A module that `format` stores exactly (heuristic 0) keeps 0 for the
 /// formats that are exact too and the largest measured value for the others.
-/// `progress` is told each module's name when it is done.
+/// `progress` is told each module's name when it is done (in the lanes' order of
+/// finishing).
 ///
 /// The budget solver adds these estimates, which assumes the modules' effects add up;
 /// that is the approximation this measurement makes, where the heuristic alone also
 /// assumed every module's error reached the output alike.
 ///
 /// # Errors
-/// [`Error::Measure`] for a module that is not a linear of `model`, a weight `format`
-/// cannot hold, a candidate the profile has no estimate of, and the measure's failure;
-/// the model is as it was in every case.
-pub fn measure_sensitivity<M: Model>(
-    model: &mut M,
+/// Before anything is measured, [`Error::Measure`] for a module that is not a linear of
+/// `model` or a candidate the profile has no estimate of; then for a weight `format`
+/// cannot hold and the measure's failure (the first in name order). The profile is
+/// changed only when every measurement succeeded.
+pub fn measure_sensitivity<M: Model + Clone + Send + Sync>(
+    model: &M,
     profile: &mut Profile,
     format: Format,
-    mut measure: impl FnMut(&M, &str) -> std::result::Result<f64, String>,
-    mut progress: impl FnMut(&str),
+    lanes: usize,
+    measure: impl Fn(&M, &str) -> std::result::Result<f64, String> + Sync,
+    progress: impl Fn(&str) + Sync,
 ) -> Result<()> {
     let key = format.to_string();
-    let names: Vec<String> = profile
+    let fail = |name: &str, message: String| Error::Measure {
+        module: name.to_string(),
+        message,
+    };
+    let linears: Vec<(&String, &ModuleStats)> = profile
         .modules
         .iter()
         .filter(|(_, s)| s.kind == ModuleKind::Linear)
-        .map(|(n, _)| n.clone())
         .collect();
-    let mut values = BTreeMap::new();
-    for name in &names {
-        let fail = |message: String| Error::Measure {
-            module: name.clone(),
-            message,
-        };
-        let Some(stats) = profile.modules.get(name) else {
-            continue;
-        };
+    for &(name, stats) in &linears {
         if !stats.estimated_error.contains_key(&key) {
-            return Err(fail(format!("the profile has no estimate for {key}")));
+            return Err(fail(name, format!("the profile has no estimate for {key}")));
         }
-        let Some(ModuleRef::Linear(l)) = model.module(name) else {
-            return Err(fail("not a linear of the model".into()));
-        };
-        let original = l.weight().clone();
-        let (rows, cols) = l.shape();
-        let w = l.weight_f32().map_err(|e| fail(e.to_string()))?;
-        let msq = stats.channel_mean_sq();
-        let importance: Vec<f32> = msq.iter().map(|&v| v as f32).collect();
-        // the heuristic again, but of each format as a plan stores it (activation-aware
-        // scales where the format takes them), so that the ratios between formats are
-        // those of what is stored
-        let mut heuristic = BTreeMap::new();
-        for f in stats.estimated_error.keys() {
-            let fmt = Format::parse(f).map_err(|e| fail(e.to_string()))?;
-            let e = round_trip_error(&w, rows, cols, fmt, &msq, &importance)
-                .ok_or_else(|| fail(format!("{f} cannot take its weights")))?;
-            heuristic.insert(f.clone(), e);
+        if !matches!(model.module(name), Some(ModuleRef::Linear(_))) {
+            return Err(fail(name, "not a linear of the model".into()));
         }
-        let q = compressme_quant::quantize_weighted(&w, rows, cols, format, &importance)
-            .map_err(|e| fail(e.to_string()))?;
-        let mut back = vec![0f32; w.len()];
-        q.dequantize_into(&mut back)
-            .map_err(|e| fail(e.to_string()))?;
-        let t =
-            Tensor::from_vec(back, (rows, cols), &Device::Cpu).map_err(|e| fail(e.to_string()))?;
-        set_linear(model, name, compressme_nn::Weight::Dense(t)).map_err(fail)?;
-        let value = measure(model, name);
-        set_linear(model, name, original).map_err(fail)?;
-        let value = value.map_err(fail)?;
-        if !value.is_finite() {
-            return Err(fail(format!("the measure returned {value}")));
-        }
-        values.insert(name.clone(), (value.max(0.0), heuristic));
-        progress(name);
     }
+    let measured = compressme_quant::in_lanes(
+        &linears,
+        lanes,
+        || Ok(model.clone()),
+        |copy, &(name, stats)| -> Result<(f64, BTreeMap<String, f64>)> {
+            let fail = |message: String| fail(name, message);
+            let Some(ModuleRef::Linear(l)) = copy.module(name) else {
+                return Err(fail("not a linear of the model".into()));
+            };
+            let original = l.weight().clone();
+            let (rows, cols) = l.shape();
+            let w = l.weight_f32().map_err(|e| fail(e.to_string()))?;
+            let msq = stats.channel_mean_sq();
+            let importance: Vec<f32> = msq.iter().map(|&v| v as f32).collect();
+            // the heuristic again, but of each format as a plan stores it (activation-aware
+            // scales where the format takes them), so that the ratios between formats are
+            // those of what is stored
+            let mut heuristic = BTreeMap::new();
+            for f in stats.estimated_error.keys() {
+                let fmt = Format::parse(f).map_err(|e| fail(e.to_string()))?;
+                let e = round_trip_error(&w, rows, cols, fmt, &msq, &importance)
+                    .ok_or_else(|| fail(format!("{f} cannot take its weights")))?;
+                heuristic.insert(f.clone(), e);
+            }
+            let q = compressme_quant::quantize_weighted(&w, rows, cols, format, &importance)
+                .map_err(|e| fail(e.to_string()))?;
+            let mut back = vec![0f32; w.len()];
+            q.dequantize_into(&mut back)
+                .map_err(|e| fail(e.to_string()))?;
+            let t = Tensor::from_vec(back, (rows, cols), &Device::Cpu)
+                .map_err(|e| fail(e.to_string()))?;
+            set_linear(copy, name, compressme_nn::Weight::Dense(t)).map_err(fail)?;
+            let value = measure(copy, name);
+            set_linear(copy, name, original).map_err(fail)?;
+            let value = value.map_err(fail)?;
+            if !value.is_finite() {
+                return Err(fail(format!("the measure returned {value}")));
+            }
+            progress(name);
+            Ok((value.max(0.0), heuristic))
+        },
+    )?;
+    let values: BTreeMap<String, (f64, BTreeMap<String, f64>)> = linears
+        .into_iter()
+        .map(|(n, _)| n.clone())
+        .zip(measured)
+        .collect();
     let largest = values.values().map(|v| v.0).fold(0f64, f64::max);
     for (name, (value, heuristic)) in values {
         let Some(s) = profile.modules.get_mut(&name) else {

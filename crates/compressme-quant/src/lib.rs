@@ -25,6 +25,10 @@
 //! on that first product for the kernel to read in order ([`Packed::layout_bytes`] counts
 //! it; `COMPRESSME_REPACK=0` turns it off; the outputs are the same bits).
 //!
+//! Products run on a small pool of the kernels' own threads; [`single_threaded`] keeps a
+//! thread's products on that thread, and [`in_lanes`] runs work items side by side, one
+//! lane a thread, for callers with several models to run at once.
+//!
 //! Beside our formats, [`GgmlMatrix`] holds llama.cpp's Q5_0 or Q8_0 blocks and multiplies
 //! them with the arithmetic candle uses for them, to its bits ([`GgmlKind`] says which), in
 //! a fraction of its time where candle runs one output at a time.
@@ -61,8 +65,9 @@ pub use format::{
 pub use gptq::GptqFactor;
 pub use kernels::ggml::{GGML_BLOCK, GgmlKind, GgmlMatrix};
 pub use kernels::{
-    Activations, Backend, NF4_I8, Tier, activations_for, error_bound, error_bound_block8,
+    Activations, Backend, NF4_I8, Tier, activations_for, error_bound, error_bound_block8, in_lanes,
     kernel_tier, matmul, matmul_into, matmul_into_using, matmul_into_with, matmul_with,
+    single_threaded,
 };
 
 /// Result alias for this crate.

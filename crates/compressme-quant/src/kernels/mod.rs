@@ -69,6 +69,8 @@ mod avxvnni;
 pub(crate) mod ggml;
 mod pool;
 mod portable;
+
+pub use pool::{in_lanes, single_threaded};
 #[cfg(target_arch = "x86_64")]
 mod rows8;
 #[cfg(target_arch = "x86_64")]

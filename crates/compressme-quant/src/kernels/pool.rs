@@ -20,10 +20,17 @@
 //! A job's pieces are taken in order from a shared counter, so a thread that falls behind
 //! (this machine is shared) leaves its pieces to the others; every piece runs exactly
 //! once, whichever thread takes it, so the outputs do not depend on the thread count.
+//!
+//! A caller that runs several models side by side, one a thread, uses [`in_lanes`]
+//! instead: inside it every product runs whole on its lane's thread
+//! ([`single_threaded`]), so the lanes do not queue for the pool or wait on each other.
+//! Two lanes of one thread each get more out of two cores than one product split in two
+//! (the work between the products is not split).
 #![allow(unsafe_code)]
 
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -92,9 +99,100 @@ fn pool() -> &'static Pool {
     })
 }
 
-/// The threads a job runs on: the caller and the pool's workers.
+thread_local! {
+    /// Set inside [`single_threaded`]: this thread's products run on it alone.
+    static ALONE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The threads a job runs on: the caller and the pool's workers, or the caller alone
+/// inside [`single_threaded`].
 pub(super) fn threads() -> usize {
-    pool().workers + 1
+    if ALONE.with(Cell::get) {
+        1
+    } else {
+        pool().workers + 1
+    }
+}
+
+/// Runs `f` with every product it calls (on this thread) computed on this thread alone,
+/// never on the kernels' pool; the outputs are the same bits, as at any thread count.
+/// For a caller that keeps its other threads busy with other work.
+pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ALONE.with(|a| a.set(self.0));
+        }
+    }
+    let _restore = Restore(ALONE.with(|a| a.replace(true)));
+    f()
+}
+
+/// Runs `f(&mut state, item)` for every item, in `lanes` lanes side by side on rayon's
+/// threads: each lane makes its `state` once with `init` and takes the next item not yet
+/// taken until none is left, its products [`single_threaded`]. Returns the results in
+/// the items' order, or the first error in that order (a lane stops taking items once
+/// any has failed). One lane, or one item: in order on the calling thread, with the
+/// kernels' pool as usual.
+///
+/// # Errors
+/// The first error of `init` or `f`, in the items' order (an `init` error counts as its
+/// lane's first item's).
+pub fn in_lanes<T: Sync, S, R: Send, E: Send>(
+    items: &[T],
+    lanes: usize,
+    init: impl Fn() -> Result<S, E> + Sync,
+    f: impl Fn(&mut S, &T) -> Result<R, E> + Sync,
+) -> Result<Vec<R>, E> {
+    if lanes <= 1 || items.len() <= 1 {
+        let mut state = init()?;
+        return items.iter().map(|t| f(&mut state, t)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let out: Vec<Mutex<Option<Result<R, E>>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    let put = |i: usize, r: Result<R, E>| {
+        if r.is_err() {
+            failed.store(true, Ordering::Release);
+        }
+        if let Some(slot) = out.get(i) {
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        }
+    };
+    rayon::scope(|s| {
+        for _ in 0..lanes.min(items.len()) {
+            s.spawn(|_| {
+                single_threaded(|| {
+                    let mut state = None;
+                    while !failed.load(Ordering::Acquire) {
+                        let i = next.fetch_add(1, Ordering::AcqRel);
+                        let Some(item) = items.get(i) else {
+                            return;
+                        };
+                        let st = match state.take() {
+                            Some(st) => st,
+                            None => match init() {
+                                Ok(st) => st,
+                                Err(e) => return put(i, Err(e)),
+                            },
+                        };
+                        let st = state.insert(st);
+                        put(i, f(st, item));
+                    }
+                });
+            });
+        }
+    });
+    let mut results = Vec::with_capacity(items.len());
+    for slot in out {
+        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(r)) => results.push(r),
+            Some(Err(e)) => return Err(e),
+            // not taken: an earlier item failed, and is returned above
+            None => {}
+        }
+    }
+    Ok(results)
 }
 
 /// Takes pieces of the current job until none is left.
@@ -166,6 +264,12 @@ impl Drop for Finish<'_> {
 /// and returns when all have run; a panic in any piece is raised here after every
 /// thread has left the job.
 pub(super) fn run(pieces: usize, f: &(dyn Fn(usize) + Sync)) {
+    if ALONE.with(Cell::get) {
+        for i in 0..pieces {
+            f(i);
+        }
+        return;
+    }
     let pool = pool();
     let guard = match pool.call.try_lock() {
         Ok(g) => Some(g),
@@ -280,5 +384,79 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(n.load(Ordering::Relaxed), 8);
+    }
+
+    #[test]
+    fn single_threaded_runs_every_piece_on_the_caller_and_restores() {
+        let me = std::thread::current().id();
+        let nested = super::single_threaded(|| {
+            assert_eq!(super::threads(), 1);
+            let on = std::sync::Mutex::new(Vec::new());
+            super::run(16, &|_| {
+                on.lock().unwrap().push(std::thread::current().id())
+            });
+            let on = on.into_inner().unwrap();
+            assert_eq!(on.len(), 16);
+            assert!(on.iter().all(|&t| t == me));
+            // nested: still alone, and alone again after the inner scope
+            super::single_threaded(|| super::threads()) + super::threads()
+        });
+        assert_eq!(nested, 2);
+        assert_eq!(super::threads(), super::pool().workers + 1);
+    }
+
+    #[test]
+    fn lanes_give_the_items_results_in_order_and_the_first_error() {
+        let items: Vec<usize> = (0..40).collect();
+        for lanes in [1, 2, 3] {
+            let inits = AtomicUsize::new(0);
+            let got = super::in_lanes(
+                &items,
+                lanes,
+                || {
+                    inits.fetch_add(1, Ordering::Relaxed);
+                    Ok::<_, String>(0usize)
+                },
+                |seen, &i| {
+                    *seen += 1;
+                    assert_eq!(
+                        super::threads(),
+                        if lanes > 1 {
+                            1
+                        } else {
+                            super::pool().workers + 1
+                        }
+                    );
+                    std::thread::sleep(std::time::Duration::from_micros((i as u64 * 37) % 300));
+                    Ok(i * i)
+                },
+            );
+            assert_eq!(got, Ok(items.iter().map(|i| i * i).collect::<Vec<_>>()));
+            // one state a lane, made when the lane takes its first item
+            assert!(
+                (1..=lanes).contains(&inits.load(Ordering::Relaxed)),
+                "{lanes}"
+            );
+            let failed = super::in_lanes(
+                &items,
+                lanes,
+                || Ok(()),
+                |(), &i| {
+                    if i == 7 || i == 30 {
+                        Err(format!("item {i}"))
+                    } else {
+                        Ok(i)
+                    }
+                },
+            );
+            assert_eq!(failed, Err("item 7".to_string()), "{lanes}");
+            let refused = super::in_lanes(
+                &items,
+                lanes,
+                || Err::<(), _>("no state".to_string()),
+                |(), &i| Ok(i),
+            );
+            assert_eq!(refused, Err("no state".to_string()), "{lanes}");
+        }
     }
 }

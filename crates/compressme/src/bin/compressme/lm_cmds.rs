@@ -282,7 +282,7 @@ pub(crate) fn gptq_factors(
 pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Profile> {
     use compressme::profile::ActivationRecorder;
     let text = read_text(o.text)?;
-    let mut lm = open(o.model)?;
+    let lm = open(o.model)?;
     let ids = lm.encode(&text)?;
     let cfg = lm.model.config().clone();
     let len = o
@@ -321,7 +321,7 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
             .count();
         bar.stage("sensitivity", linears as u64);
         compressme::offline::measure_decoder_sensitivity(
-            &mut lm.model,
+            &lm.model,
             &mut profile,
             head,
             format,

@@ -1,20 +1,26 @@
 //! Progress bars for the library's long stages (`compressme_offline::Progress`).
 
-use std::cell::RefCell;
+use std::sync::Mutex;
 
 use compressme::offline::Progress;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// One bar per stage; a stage's summary line goes to stderr when it ends.
 pub(crate) struct Bars {
-    bar: RefCell<Option<ProgressBar>>,
+    bar: Mutex<Option<ProgressBar>>,
 }
 
 impl Bars {
     pub(crate) fn new() -> Self {
         Self {
-            bar: RefCell::new(None),
+            bar: Mutex::new(None),
         }
+    }
+
+    fn bar(&self) -> std::sync::MutexGuard<'_, Option<ProgressBar>> {
+        self.bar
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -27,15 +33,21 @@ impl Progress for Bars {
             pb.set_style(style);
         }
         pb.set_message(name.to_string());
-        *self.bar.borrow_mut() = Some(pb);
+        *self.bar() = Some(pb);
     }
     fn inc(&self, n: u64) {
-        if let Some(pb) = self.bar.borrow().as_ref() {
+        if let Some(pb) = self.bar().as_ref() {
             pb.inc(n);
         }
     }
+    fn note(&self, line: &str) {
+        match self.bar().as_ref() {
+            Some(pb) if !pb.is_hidden() => pb.println(line),
+            _ => eprintln!("{line}"),
+        }
+    }
     fn done(&self, summary: &str) {
-        if let Some(pb) = self.bar.borrow_mut().take() {
+        if let Some(pb) = self.bar().take() {
             pb.finish_and_clear();
         }
         if !summary.is_empty() {
