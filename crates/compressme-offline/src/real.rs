@@ -859,51 +859,30 @@ pub fn run_real(
     progress.stage(&reference_plan.name, 3);
     let (v, file, candle, kept) = one(reference_plan, None, &|line| progress.done(line))?;
     let reference = kept.ok_or_else(|| Error::Config("the reference kept no scores".into()))?;
-    let mut variants = vec![v];
-    let mut files = vec![(file, candle)];
-    // ours side by side, a lane a core, each on one thread (the same bits as on all of
-    // them); candle's one at a time on every core, its quantized kernels on their own pool
-    let (ours, theirs): (Vec<&Planned>, Vec<&Planned>) = others
-        .iter()
-        .partition(|p| matches!(p.spec, Spec::Ours { .. }));
+    let (mut variants, mut files) = (vec![v], vec![(file, candle)]);
+    // the rest side by side, a lane a core, each on one thread (the same bits as on all
+    // of them; candle's quantized kernels keep their own pool, one caller at a time)
     let lanes = candle_core::utils::get_num_threads();
     progress.stage(
-        &format!("{} variants, {lanes} lanes", ours.len()),
-        3 * ours.len() as u64,
+        &format!("{} variants, {lanes} lanes", others.len()),
+        3 * others.len() as u64,
     );
-    let t_ours = Instant::now();
+    let t_others = Instant::now();
     let done = compressme_quant::in_lanes(
-        &ours,
+        others,
         lanes,
         || Ok(()),
         |(), p| one(p, Some(&reference), &|line| progress.note(line)),
     )?;
     progress.done(&format!(
-        "{} variants of ours stored, reloaded and scored in {lanes} lanes of one thread in {:.0} s",
-        ours.len(),
-        t_ours.elapsed().as_secs_f64()
+        "{} variants stored, reloaded and scored in {lanes} lanes of one thread in {:.0} s",
+        others.len(),
+        t_others.elapsed().as_secs_f64()
     ));
-    for p in theirs {
-        progress.stage(&p.name, 3);
-        let (v, file, candle, _) = one(p, Some(&reference), &|line| progress.done(line))?;
-        variants.push(v);
-        files.push((file, candle));
-    }
-    // in the planned order
     for (v, file, candle, _) in done {
         variants.push(v);
         files.push((file, candle));
     }
-    let order: BTreeMap<&str, usize> = planned
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (p.name.as_str(), i))
-        .collect();
-    let mut paired: Vec<(Variant, (PathBuf, Option<LlamaFormat>))> =
-        variants.into_iter().zip(files).collect();
-    paired.sort_by_key(|(v, _)| order.get(v.name.as_str()).copied());
-    let (mut variants, files): (Vec<Variant>, Vec<(PathBuf, Option<LlamaFormat>)>) =
-        paired.into_iter().unzip();
     let targets = reference.tokens.len();
     drop(reference);
 
