@@ -133,7 +133,9 @@ pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
 /// taken until none is left, its products [`single_threaded`]. Returns the results in
 /// the items' order, or the first error in that order (a lane stops taking items once
 /// any has failed). One lane, or one item: in order on the calling thread, with the
-/// kernels' pool as usual.
+/// kernels' pool as usual. Every worker may be a lane, so work that waits for jobs it
+/// gave rayon must wait in rayon's way (a join, a scope, or running the pool's jobs
+/// meanwhile, as `compressme_artifact`'s pipeline does), never by blocking its thread.
 ///
 /// # Errors
 /// The first error of `init` or `f`, in the items' order (an `init` error counts as its
