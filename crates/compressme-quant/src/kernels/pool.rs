@@ -401,7 +401,7 @@ mod tests {
             assert_eq!(on.len(), 16);
             assert!(on.iter().all(|&t| t == me));
             // nested: still alone, and alone again after the inner scope
-            super::single_threaded(|| super::threads()) + super::threads()
+            super::single_threaded(super::threads) + super::threads()
         });
         assert_eq!(nested, 2);
         assert_eq!(super::threads(), super::pool().workers + 1);
