@@ -22,8 +22,8 @@ use crate::Result;
 /// error (from `work` or `sink`) stops admission and is returned once the items already
 /// running have finished; a panic in `work` is resumed on the calling thread.
 ///
-/// A calling thread that is one of rayon's workers runs the pool's jobs while it waits
-/// (see [`receive`]), so the items it spawned run even when every worker is a caller.
+/// A calling thread that is one of rayon's workers runs the pool's jobs while it waits,
+/// so the items it spawned run even when every worker is a caller.
 ///
 /// # Errors
 /// The first error `work` or `sink` returned.
