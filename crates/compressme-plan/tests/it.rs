@@ -206,6 +206,15 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
             .unwrap()
     };
     let reference = out(&m);
+    // the mean squared change of the outputs
+    let shift = |m: &CausalLm| -> f64 {
+        let o = out(m);
+        o.iter()
+            .zip(&reference)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum::<f64>()
+            / o.len() as f64
+    };
     let probe = Format::Nf4Block(compressme_quant::GroupSize::G32);
     let done = Mutex::new(Vec::new());
     let changed = Mutex::new(Vec::new());
@@ -222,12 +231,7 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
                     changed.lock().unwrap().push((name.to_string(), n.clone()));
                 }
             }
-            let o = out(m);
-            Ok(o.iter()
-                .zip(&reference)
-                .map(|(a, b)| f64::from(a - b).powi(2))
-                .sum::<f64>()
-                / o.len() as f64)
+            Ok(shift(m))
         },
         |n| done.lock().unwrap().push(n.to_string()),
     )
@@ -241,14 +245,7 @@ fn measured_sensitivity_scales_the_estimates_and_leaves_the_model_as_it_was() {
         &mut p2,
         probe,
         2,
-        |m, _| {
-            let o = out(m);
-            Ok(o.iter()
-                .zip(&reference)
-                .map(|(a, b)| f64::from(a - b).powi(2))
-                .sum::<f64>()
-                / o.len() as f64)
-        },
+        |m, _| Ok(shift(m)),
         |n| done2.lock().unwrap().push(n.to_string()),
     )
     .unwrap();
