@@ -670,9 +670,20 @@ pub struct Timing {
 impl Timing {
     /// The summary of samples measured elsewhere (for example interleaved across several
     /// variants, so that drift on a shared machine hits them all alike); `units` holds
-    /// one count per sample.
+    /// one count per sample. Without samples (something not timed) every summary is 0, so
+    /// that the timing is still a JSON number: read `samples`, not the summary, to know.
     #[must_use]
     pub fn from_samples(warmup: usize, samples: Vec<f64>, units: Vec<u64>) -> Self {
+        if samples.is_empty() {
+            return Self {
+                warmup,
+                samples,
+                units,
+                median: 0.0,
+                min: 0.0,
+                max: 0.0,
+            };
+        }
         Self {
             warmup,
             median: percentile(samples.clone(), 0.5),

@@ -297,6 +297,14 @@ fn timing_keeps_raw_samples_and_counts_actual_units() {
     assert_eq!(t.units, vec![7, 10, 7, 10, 7]);
     assert!(t.min <= t.median && t.median <= t.max && t.min >= 0.002);
     assert!(t.median_rate() > 0.0 && t.median_rate() < 10.0 / 0.002);
+    // nothing timed: a summary of zeros, which a report can write and read back
+    let none = compressme_eval::Timing::from_samples(0, Vec::new(), Vec::new());
+    assert_eq!((none.median, none.min, none.max), (0.0, 0.0, 0.0));
+    let json = serde_json::to_string(&none).unwrap();
+    assert_eq!(
+        serde_json::from_str::<compressme_eval::Timing>(&json).unwrap(),
+        none
+    );
     let e = compressme_eval::time(0, 3, || -> Result<u64, String> { Err("stop".into()) });
     assert_eq!(e.unwrap_err(), "stop");
     let before = compressme_eval::peak_rss_bytes().unwrap();

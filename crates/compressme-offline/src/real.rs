@@ -420,19 +420,49 @@ pub fn run_real(
         candidates: cfg.candidates.clone(),
         ..ProfileSettings::default()
     };
-    let mut profile = ActivationRecorder::new(settings)
-        .with_calibration_sha256(sha256_hex(calib_text.as_bytes()))
-        .record(&lm.model, &windows, |m, ids| {
-            let r = m.forward(ids).map(drop);
-            progress.inc(1);
-            r
-        })?;
+    // with GPTQ, each linear's input Gram matrix on the same pass
+    let recorder = ActivationRecorder::new(settings)
+        .with_calibration_sha256(sha256_hex(calib_text.as_bytes()));
+    let forward = |m: &Decoder, ids: &Tensor| {
+        let r = m.forward(ids).map(drop);
+        progress.inc(1);
+        r
+    };
+    let (mut profile, grams) = match cfg.gptq_damp {
+        Some(_) => {
+            let (p, g) = recorder.record_with_grams(&lm.model, &windows, forward)?;
+            (p, Some(g))
+        }
+        None => (recorder.record(&lm.model, &windows, forward)?, None),
+    };
     progress.done(&format!(
-        "profiled {} windows of {} in {:.0} s",
+        "profiled {} windows of {}{} in {:.0} s",
         windows.len(),
         cfg.calibration_text,
+        if grams.is_some() {
+            ", with the linears' input Gram matrices"
+        } else {
+            ""
+        },
         t0.elapsed().as_secs_f64()
     ));
+    // GPTQ's factors, from each linear's input Gram matrix on the calibration windows (the
+    // matrices, about a gigabyte, are dropped here)
+    let factors = match (cfg.gptq_damp, grams) {
+        (Some(damp), Some(grams)) => {
+            progress.stage("GPTQ factors", 1);
+            let t = Instant::now();
+            let factors = compressme_profile::factors_of(&grams, damp)?;
+            progress.inc(1);
+            progress.done(&format!(
+                "GPTQ factors of {} linears (damping {damp}) in {:.0} s",
+                factors.len(),
+                t.elapsed().as_secs_f64()
+            ));
+            Some(factors)
+        }
+        _ => None,
+    };
     if cfg.sensitivity_tokens > 0 {
         let ids = calib_ids
             .get(..cfg.sensitivity_tokens.min(model_cfg.context))
@@ -465,30 +495,6 @@ pub fn run_real(
     let profile_path = work_dir.join("profile.json");
     std::fs::write(&profile_path, &profile_json).map_err(io(&profile_path))?;
 
-    // GPTQ's factors, from each linear's input Gram matrix on the calibration windows
-    let factors = match cfg.gptq_damp {
-        Some(damp) => {
-            progress.stage("gram matrices", windows.len() as u64);
-            let t = Instant::now();
-            let factors = compressme_profile::gptq_factors(
-                &lm.model,
-                &windows,
-                |m, ids| {
-                    let r = m.forward(ids).map(drop);
-                    progress.inc(1);
-                    r
-                },
-                damp,
-            )?;
-            progress.done(&format!(
-                "GPTQ factors of {} linears (damping {damp}) in {:.0} s",
-                factors.len(),
-                t.elapsed().as_secs_f64()
-            ));
-            Some(factors)
-        }
-        None => None,
-    };
     let plan_rounding = if factors.is_some() {
         Rounding::Gptq
     } else {
@@ -886,16 +892,23 @@ pub fn run_real(
     let targets = reference.tokens.len();
     drop(reference);
 
-    // memory and speed, each variant in child processes, in interleaved rounds
+    // memory and speed, each variant but the shuffled controls (quality controls: the
+    // formats of their plan on other modules) in child processes, in interleaved rounds
     let prompt: Vec<u32> = eval_ids.iter().take(cfg.prompt_tokens).copied().collect();
     let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
-    let n = files.len() * cfg.timing_threads.len();
+    let timed: Vec<usize> = (0..variants.len())
+        .filter(|&i| variants.get(i).is_some_and(|v| !v.control))
+        .collect();
+    let n = timed.len() * cfg.timing_threads.len();
     progress.stage("timing", (n * cfg.timing_reps) as u64);
     let t_timing = Instant::now();
     let mut samples: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
         vec![vec![(Vec::new(), Vec::new()); cfg.timing_threads.len()]; files.len()];
     for round in 0..cfg.timing_reps {
-        for (i, (file, candle)) in files.iter().enumerate() {
+        for &i in &timed {
+            let Some((file, candle)) = files.get(i) else {
+                continue;
+            };
             for (j, &threads) in cfg.timing_threads.iter().enumerate() {
                 let first = round == 0 && j == 0;
                 let req = ProbeRequest {
@@ -911,15 +924,13 @@ pub fn run_real(
                 };
                 let r = probe.probe(&req, threads)?;
                 if first && let Some(v) = variants.get_mut(i) {
-                    {
-                        v.peak_rss_bytes = r.peak_rss_bytes;
-                        v.baseline_rss_bytes = r.baseline_rss_bytes;
-                        v.timing.forward = Timing::from_samples(
-                            0,
-                            vec![r.window_seconds],
-                            vec![first_window.len() as u64],
-                        );
-                    }
+                    v.peak_rss_bytes = r.peak_rss_bytes;
+                    v.baseline_rss_bytes = r.baseline_rss_bytes;
+                    v.timing.forward = Timing::from_samples(
+                        0,
+                        vec![r.window_seconds],
+                        vec![first_window.len() as u64],
+                    );
                 }
                 if let Some(s) = samples.get_mut(i).and_then(|s| s.get_mut(j)) {
                     s.0.push(r.generate_seconds);
@@ -930,13 +941,17 @@ pub fn run_real(
         }
     }
     progress.done(&format!(
-        "timed {} variants on {:?} threads, {} interleaved rounds, each in a child process, in {:.0} s",
-        files.len(),
+        "timed {} variants (not the {} shuffled controls) on {:?} threads, {} interleaved rounds, each in a child process, in {:.0} s",
+        timed.len(),
+        variants.len() - timed.len(),
         cfg.timing_threads,
         cfg.timing_reps,
         t_timing.elapsed().as_secs_f64()
     ));
     for (v, per_thread) in variants.iter_mut().zip(samples) {
+        if v.control {
+            continue;
+        }
         v.timing.generate_threads = cfg
             .timing_threads
             .iter()

@@ -144,7 +144,8 @@ pub struct VariantTiming {
     /// Greedy generation from a few prompts (units: tokens actually produced).
     pub generate: Timing,
     /// Generation on each thread count timed (the real-model benchmark, each sample a
-    /// child process; empty otherwise).
+    /// child process; empty otherwise, and for its shuffled controls, which it does not
+    /// time).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub generate_threads: Vec<ThreadTiming>,
 }
@@ -184,7 +185,8 @@ pub struct Variant {
     /// Timing.
     pub timing: VariantTiming,
     /// Peak resident memory of the process while loading and evaluating this variant
-    /// (after a reset; `None` where the system cannot say).
+    /// (after a reset; `None` where the system cannot say, and for the real-model
+    /// benchmark's shuffled controls, which it does not measure).
     pub peak_rss_bytes: Option<u64>,
     /// The process's resident memory just before loading this variant (the peak's
     /// baseline: the process, its other data, the allocator's reserve).
@@ -357,11 +359,17 @@ fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
         } else {
             v.name.clone()
         };
-        let rates: Vec<String> = v
-            .timing
-            .generate_threads
+        // "-" for a variant not timed (the shuffled controls)
+        let rates: Vec<String> = c
+            .timing_threads
             .iter()
-            .map(|t| format!("{:.1}", t.timing.median_rate()))
+            .map(|&n| {
+                v.timing
+                    .generate_threads
+                    .iter()
+                    .find(|t| t.threads == n && !t.timing.samples.is_empty())
+                    .map_or("-".into(), |t| format!("{:.1}", t.timing.median_rate()))
+            })
             .collect();
         let _ = writeln!(
             s,
@@ -384,7 +392,7 @@ fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
     s.push('\n');
     let _ = writeln!(
         s,
-        "Module weights: every stored buffer of the linears and embeddings (the tied embedding is the output head); norms ({} bytes) are dense in every variant. Generation: greedy, {} new tokens after a {}-token prompt from the held-out text, one child process a sample, {} interleaved rounds; peak RSS: the child that loaded the variant and ran one window of {} tokens and one generation on {} thread(s). Timing and memory are context for this machine, not claims.",
+        "Module weights: every stored buffer of the linears and embeddings (the tied embedding is the output head); norms ({} bytes) are dense in every variant. Generation: greedy, {} new tokens after a {}-token prompt from the held-out text, one child process a sample, {} interleaved rounds; peak RSS: the child that loaded the variant and ran one window of {} tokens and one generation on {} thread(s). The shuffled controls are not timed (\"-\"): they are quality controls, their plan's formats on other modules. Timing and memory are context for this machine, not claims.",
         reference.map_or(0, |v| v.storage.other_bytes),
         c.generate_tokens,
         c.prompt_tokens,

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, TensorId};
 use compressme_nn::{Model, ModuleKind, Observer};
 use compressme_quant::GptqFactor;
 use rayon::prelude::*;
@@ -15,13 +15,37 @@ use crate::{Error, Result, Watch};
 /// module name.
 pub type Grams = BTreeMap<String, Vec<f64>>;
 
-struct Collector {
+pub(crate) struct Collector {
     cols: BTreeMap<String, usize>,
     sums: Mutex<Grams>,
-    watch: Watch,
+    /// The last input's matrix, by the input tensor's id: a block's query, key and value
+    /// projections (its gate and up projections) are called on the same tensor, whose
+    /// matrix is taken once.
+    last: Mutex<Option<(TensorId, Vec<f32>)>>,
+    watch: Arc<Watch>,
 }
 
 impl Collector {
+    /// A collector for every linear of `model`, reporting to `watch`.
+    pub(crate) fn new<M: Model>(model: &M, watch: Arc<Watch>) -> Self {
+        Self {
+            cols: model
+                .modules()
+                .into_iter()
+                .filter(|m| m.kind == ModuleKind::Linear)
+                .map(|m| (m.name, m.cols))
+                .collect(),
+            sums: Mutex::new(BTreeMap::new()),
+            last: Mutex::new(None),
+            watch,
+        }
+    }
+
+    /// The matrices gathered.
+    pub(crate) fn take(&self) -> Grams {
+        std::mem::take(&mut *self.sums.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
     fn add(&self, module: &str, x: &Tensor, cols: usize) -> Result<()> {
         let batch = self.watch.batch();
         let model = |source| Error::Model { batch, source };
@@ -33,20 +57,27 @@ impl Collector {
                 got: width,
             });
         }
-        let x = x
-            .to_device(&Device::Cpu)
-            .and_then(|x| x.to_dtype(DType::F32))
-            .and_then(|x| x.reshape(((), cols)))
-            .map_err(|e| model(e.into()))?;
-        // in f32 over this batch's rows (one chain of products an entry, whatever the
-        // thread count), summed across batches in f64
-        let g = x
-            .t()
-            .and_then(|t| t.contiguous())
-            .and_then(|t| t.matmul(&x))
-            .and_then(|g| g.flatten_all())
-            .and_then(|g| g.to_vec1::<f32>())
-            .map_err(|e| model(e.into()))?;
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let g = match &*last {
+            Some((id, g)) if *id == x.id() && g.len() == cols.saturating_mul(cols) => g,
+            _ => {
+                let x = x
+                    .to_device(&Device::Cpu)
+                    .and_then(|x| x.to_dtype(DType::F32))
+                    .and_then(|x| x.reshape(((), cols)))
+                    .map_err(|e| model(e.into()))?;
+                // in f32 over this batch's rows (one chain of products an entry, whatever
+                // the thread count), summed across batches in f64
+                let g = x
+                    .t()
+                    .and_then(|t| t.contiguous())
+                    .and_then(|t| t.matmul(&x))
+                    .and_then(|g| g.flatten_all())
+                    .and_then(|g| g.to_vec1::<f32>())
+                    .map_err(|e| model(e.into()))?;
+                &last.insert((x.id(), g)).1
+            }
+        };
         if let Some(&value) = g.iter().find(|v| !v.is_finite()) {
             return Err(Error::NonFinite {
                 module: module.into(),
@@ -58,7 +89,7 @@ impl Collector {
         let s = sums
             .entry(module.to_string())
             .or_insert_with(|| vec![0.0; cols.saturating_mul(cols)]);
-        for (a, &b) in s.iter_mut().zip(&g) {
+        for (a, &b) in s.iter_mut().zip(g) {
             *a += f64::from(b);
         }
         Ok(())
@@ -92,25 +123,11 @@ pub fn record_grams<M: Model, B>(
     if batches.is_empty() {
         return Err(Error::Empty);
     }
-    let collector = Arc::new(Collector {
-        cols: model
-            .modules()
-            .into_iter()
-            .filter(|m| m.kind == ModuleKind::Linear)
-            .map(|m| (m.name, m.cols))
-            .collect(),
-        sums: Mutex::new(BTreeMap::new()),
-        watch: Watch::default(),
-    });
+    let collector = Arc::new(Collector::new(model, Arc::default()));
     collector
         .watch
         .run(model, batches, forward, collector.clone())?;
-    Ok(std::mem::take(
-        &mut *collector
-            .sums
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner),
-    ))
+    Ok(collector.take())
 }
 
 /// [`record_grams`], then each linear's [`GptqFactor`] with damping `damp` (a fraction of
@@ -127,16 +144,22 @@ pub fn gptq_factors<M: Model, B>(
     forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
     damp: f64,
 ) -> Result<BTreeMap<String, Arc<GptqFactor>>> {
-    let cols: BTreeMap<String, usize> = model
-        .modules()
-        .into_iter()
-        .map(|m| (m.name, m.cols))
-        .collect();
-    let grams = record_grams(model, batches, forward)?;
+    factors_of(&record_grams(model, batches, forward)?, damp)
+}
+
+/// Each linear's [`GptqFactor`] from its Gram matrix (as [`record_grams`] or
+/// [`ActivationRecorder::record_with_grams`](crate::ActivationRecorder::record_with_grams)
+/// gives them) with damping `damp`, as [`gptq_factors`] makes them: one per distinct
+/// matrix, made in parallel.
+///
+/// # Errors
+/// [`Error::Factor`] naming a linear whose matrix has no factor (not square, not finite,
+/// not positive definite after damping).
+pub fn factors_of(grams: &Grams, damp: f64) -> Result<BTreeMap<String, Arc<GptqFactor>>> {
     // the distinct matrices, by the SHA-256 of their bits, each with its first module
     let mut distinct: BTreeMap<[u8; 32], (&str, &[f64])> = BTreeMap::new();
     let mut key_of = BTreeMap::new();
-    for (module, g) in &grams {
+    for (module, g) in grams {
         let mut h = <sha2::Sha256 as sha2::Digest>::new();
         for v in g {
             sha2::Digest::update(&mut h, v.to_le_bytes());
@@ -150,8 +173,7 @@ pub fn gptq_factors<M: Model, B>(
     let made: BTreeMap<[u8; 32], Arc<GptqFactor>> = distinct
         .into_par_iter()
         .map(|(key, (module, g))| {
-            let n = cols.get(module).copied().unwrap_or(0);
-            GptqFactor::new(g, n, damp)
+            GptqFactor::new(g, g.len().isqrt(), damp)
                 .map(|f| (key, Arc::new(f)))
                 .map_err(|source| Error::Factor {
                     module: module.to_string(),
@@ -239,5 +261,17 @@ mod tests {
             assert_eq!(fa.cols(), grams[a].len().isqrt(), "{a}");
         }
         assert!(shared > 0, "no two linears read the same input");
+        // the profile's own pass gives the same profile and the same matrices, and the
+        // factors made from them are the same
+        let (both, grams_too) = ActivationRecorder::new(ProfileSettings::default())
+            .record_with_grams(&model, &batches, forward)
+            .unwrap();
+        assert_eq!(both, profile);
+        assert_eq!(grams_too, grams);
+        let again = factors_of(&grams_too, 0.01).unwrap();
+        assert_eq!(again.len(), factors.len());
+        for (name, f) in &again {
+            assert_eq!(**f, *factors[name], "{name}");
+        }
     }
 }

@@ -17,7 +17,8 @@
 //! within a module.
 //!
 //! [`record_grams`] collects each linear's input Gram matrix `Σ x xᵀ` on the same kind
-//! of run, and [`gptq_factors`] turns them into GPTQ's factors
+//! of run ([`ActivationRecorder::record_with_grams`] on the profile's own run), and
+//! [`factors_of`] and [`gptq_factors`] turn them into GPTQ's factors
 //! (`compressme_quant::GptqFactor`, for `compressme_quant::quantize_gptq`); they are
 //! kept apart from the profile (a few hundred megabytes for a 135M decoder, not JSON
 //! material).
@@ -56,7 +57,7 @@ use compressme_quant::{Format, GroupSize};
 use serde::{Deserialize, Serialize};
 
 mod gram;
-pub use gram::{Grams, gptq_factors, record_grams};
+pub use gram::{Grams, factors_of, gptq_factors, record_grams};
 
 /// The profile JSON version this build writes.
 pub const VERSION: u32 = 1;
@@ -488,13 +489,23 @@ fn set_linear<M: Model>(
 struct Collector {
     threshold: f32,
     stats: Mutex<BTreeMap<String, ModuleStats>>,
-    watch: Watch,
+    watch: Arc<Watch>,
+}
+
+/// The statistics' collector and the Gram matrices' on one pass, reporting to one watch.
+struct Both(Arc<Collector>, Arc<gram::Collector>);
+
+impl Observer for Both {
+    fn observe(&self, module: &str, activations: &Tensor) -> compressme_nn::Result<()> {
+        self.0.observe(module, activations)?;
+        self.1.observe(module, activations)
+    }
 }
 
 /// What an observer shares with the run it watches: the batch being run, and the first
 /// failure it met, which the run reports in place of the model's error.
 #[derive(Default)]
-struct Watch {
+pub(crate) struct Watch {
     batch: Mutex<usize>,
     failure: Mutex<Option<Error>>,
 }
@@ -614,6 +625,30 @@ impl ActivationRecorder {
         batches: &[B],
         forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
     ) -> Result<Profile> {
+        Ok(self.recorded(model, batches, forward, false)?.0)
+    }
+
+    /// [`record`](Self::record), and on the same pass each linear's input Gram matrix, as
+    /// [`record_grams`] gathers them (the same bits): one run of the batches for both.
+    ///
+    /// # Errors
+    /// As [`record`](Self::record) and [`record_grams`].
+    pub fn record_with_grams<M: Model, B>(
+        &self,
+        model: &M,
+        batches: &[B],
+        forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+    ) -> Result<(Profile, Grams)> {
+        self.recorded(model, batches, forward, true)
+    }
+
+    fn recorded<M: Model, B>(
+        &self,
+        model: &M,
+        batches: &[B],
+        forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        with_grams: bool,
+    ) -> Result<(Profile, Grams)> {
         if batches.is_empty() {
             return Err(Error::Empty);
         }
@@ -646,14 +681,19 @@ impl ActivationRecorder {
                 },
             );
         }
+        let watch = Arc::new(Watch::default());
         let collector = Arc::new(Collector {
             threshold: self.settings.density_threshold,
             stats: Mutex::new(stats),
-            watch: Watch::default(),
+            watch: watch.clone(),
         });
-        collector
-            .watch
-            .run(model, batches, forward, collector.clone())?;
+        let grams = with_grams.then(|| Arc::new(gram::Collector::new(model, watch.clone())));
+        let observer: Arc<dyn Observer> = match &grams {
+            Some(g) => Arc::new(Both(collector.clone(), g.clone())),
+            None => collector.clone(),
+        };
+        watch.run(model, batches, forward, observer)?;
+        let grams = grams.map(|g| g.take()).unwrap_or_default();
         let mut modules = std::mem::take(
             &mut *collector
                 .stats
@@ -689,7 +729,7 @@ impl ActivationRecorder {
             .values()
             .find(|s| s.kind == ModuleKind::Linear)
             .map_or(0, |s| s.vectors);
-        Ok(Profile {
+        let profile = Profile {
             version: VERSION,
             settings: self.settings.clone(),
             model_sha256: compressme_blockstore::hex(&digest),
@@ -700,6 +740,7 @@ impl ActivationRecorder {
             output_heads: Some(model.output_heads())
                 .filter(|h| h.as_slice() != ["lm_head"])
                 .unwrap_or_default(),
-        })
+        };
+        Ok((profile, grams))
     }
 }

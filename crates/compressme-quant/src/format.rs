@@ -738,82 +738,19 @@ pub fn quantize_gptq(
             factor.cols()
         )));
     }
-    let (u, diag) = (factor.u(), factor.diag());
-    let g = format.group().unwrap_or(cols).max(1);
-    let ng = cols.div_ceil(g);
+    let ng = cols.div_ceil(format.group().unwrap_or(cols).max(1));
     let rb = format.row_code_bytes(cols);
-    let with_min = matches!(format, Format::Int4Block(_));
-    // each row's scales, minimums and codes
-    let done: Vec<(Vec<f32>, Vec<f32>, Vec<u8>)> = w
-        .par_chunks_exact(cols)
-        .map(|original| -> Result<_> {
-            let mut row = original.to_vec();
-            let mut scales = Vec::with_capacity(ng);
-            let mut mins = Vec::new();
-            let mut codes = vec![0u8; rb];
-            for (gi, imp) in diag.chunks(g).enumerate() {
-                let c0 = gi.saturating_mul(g);
-                let end = c0.saturating_add(imp.len());
-                let group = row.get(c0..end).unwrap_or_default();
-                let one = quantize_weighted(group, 1, group.len(), format, imp)?;
-                let s = one.scales.first().copied().unwrap_or(0.0);
-                let m = one.mins.first().copied().unwrap_or(0.0);
-                scales.push(s);
-                if with_min {
-                    mins.push(m);
-                }
-                for i in c0..end {
-                    let (Some(&v), Some(ui)) = (row.get(i), u.get(row_span(i, cols))) else {
-                        continue;
-                    };
-                    let (q, d) = match format {
-                        Format::Nf4 | Format::Nf4Block(_) => {
-                            let q = if s > 0.0 { nf4_index(v / s) } else { 7 };
-                            let c = NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0);
-                            (q, c * s)
-                        }
-                        Format::Int4Block(_) => {
-                            let q = if s > 0.0 { int4_code((v - m) / s) } else { 0 };
-                            (q, m + f32::from(q) * s)
-                        }
-                        _ => {
-                            let q = if s > 0.0 {
-                                (v / s).round().clamp(-127.0, 127.0)
-                            } else {
-                                0.0
-                            };
-                            ((q as i8) as u8, q * s)
-                        }
-                    };
-                    if format.code_bits() == 4 {
-                        set_nibble(&mut codes, i, q);
-                    } else if let Some(c) = codes.get_mut(i) {
-                        *c = q;
-                    }
-                    // the error, spread over the columns after this one
-                    let next = i.saturating_add(1);
-                    let (Some(&uii), Some(after), Some(rest)) =
-                        (ui.get(i), ui.get(next..), row.get_mut(next..))
-                    else {
-                        continue;
-                    };
-                    let e = (v - d) / uii;
-                    if e != 0.0 {
-                        for (r, &f) in rest.iter_mut().zip(after) {
-                            *r -= e * f;
-                        }
-                    }
-                }
-            }
-            Ok((scales, mins, codes))
-        })
+    // each row's scales, minimums and codes, rows in blocks of GPTQ_ROWS run in lockstep
+    let done: Vec<Vec<GptqRow>> = w
+        .par_chunks(cols.saturating_mul(GPTQ_ROWS))
+        .map(|block| crate::kernels::gptq_block(block, cols, format, factor.u(), factor.diag()))
         .collect::<Result<_>>()?;
     let put = |dst: Option<&mut [f32]>, src: &[f32]| {
         for (d, s) in dst.into_iter().flatten().zip(src) {
             *d = *s;
         }
     };
-    for (r, (scales, mins, codes)) in done.into_iter().enumerate() {
+    for (r, (scales, mins, codes)) in done.into_iter().flatten().enumerate() {
         put(p.scales.get_mut(row_span(r, ng)), &scales);
         put(p.mins.get_mut(row_span(r, ng)), &mins);
         for (d, c) in p
@@ -827,6 +764,116 @@ pub fn quantize_gptq(
         }
     }
     Ok(p)
+}
+
+/// Rows of [`quantize_gptq`] run in lockstep, a block at a time: each column's row of
+/// `U` is read once a block, while it is in the first-level cache, instead of once a row.
+pub(crate) const GPTQ_ROWS: usize = 8;
+
+/// One row of [`quantize_gptq`]'s result: its scales, minimums and codes.
+pub(crate) type GptqRow = (Vec<f32>, Vec<f32>, Vec<u8>);
+
+/// [`quantize_gptq`] on one block of up to [`GPTQ_ROWS`] rows (`block`, row-major, `cols`
+/// a row) with the factor's `u` and `diag`, the rows in lockstep: a group's scales for
+/// every row of the block, then column by column each row's code and the spread of its
+/// error. Each row's operations and their order are those of the row alone. Inlined into
+/// each kernel tier's copy (`crate::kernels::gptq_block`), whose vectors widen the
+/// spread; with no fused multiply-add written here, every tier gives the same bits.
+#[inline(always)]
+pub(crate) fn gptq_block_lanes(
+    block: &[f32],
+    cols: usize,
+    format: Format,
+    u: &[f32],
+    diag: &[f32],
+) -> Result<Vec<GptqRow>> {
+    struct Row {
+        w: Vec<f32>,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+        codes: Vec<u8>,
+        scale: f32,
+        min: f32,
+    }
+    let g = format.group().unwrap_or(cols).max(1);
+    let with_min = matches!(format, Format::Int4Block(_));
+    let mut rows: Vec<Row> = block
+        .chunks_exact(cols)
+        .map(|original| Row {
+            w: original.to_vec(),
+            scales: Vec::with_capacity(cols.div_ceil(g)),
+            mins: Vec::new(),
+            codes: vec![0u8; format.row_code_bytes(cols)],
+            scale: 0.0,
+            min: 0.0,
+        })
+        .collect();
+    for (gi, imp) in diag.chunks(g).enumerate() {
+        let c0 = gi.saturating_mul(g);
+        let end = c0.saturating_add(imp.len());
+        for r in &mut rows {
+            let group = r.w.get(c0..end).unwrap_or_default();
+            let one = quantize_weighted(group, 1, group.len(), format, imp)?;
+            r.scale = one.scales.first().copied().unwrap_or(0.0);
+            r.min = one.mins.first().copied().unwrap_or(0.0);
+            r.scales.push(r.scale);
+            if with_min {
+                r.mins.push(r.min);
+            }
+        }
+        for i in c0..end {
+            let Some(ui) = u.get(row_span(i, cols)) else {
+                continue;
+            };
+            let next = i.saturating_add(1);
+            for r in &mut rows {
+                let Some(&v) = r.w.get(i) else {
+                    continue;
+                };
+                let (s, m) = (r.scale, r.min);
+                let (q, d) = match format {
+                    Format::Nf4 | Format::Nf4Block(_) => {
+                        let q = if s > 0.0 { nf4_index(v / s) } else { 7 };
+                        let c = NF4_CODEBOOK.get(usize::from(q)).copied().unwrap_or(0.0);
+                        (q, c * s)
+                    }
+                    Format::Int4Block(_) => {
+                        let q = if s > 0.0 { int4_code((v - m) / s) } else { 0 };
+                        (q, m + f32::from(q) * s)
+                    }
+                    _ => {
+                        let q = if s > 0.0 {
+                            (v / s).round().clamp(-127.0, 127.0)
+                        } else {
+                            0.0
+                        };
+                        ((q as i8) as u8, q * s)
+                    }
+                };
+                if format.code_bits() == 4 {
+                    set_nibble(&mut r.codes, i, q);
+                } else if let Some(c) = r.codes.get_mut(i) {
+                    *c = q;
+                }
+                // the error, spread over the columns after this one
+                let (Some(&uii), Some(after), Some(rest)) =
+                    (ui.get(i), ui.get(next..), r.w.get_mut(next..))
+                else {
+                    continue;
+                };
+                let e = (v - d) / uii;
+                if e != 0.0 {
+                    for (x, &f) in rest.iter_mut().zip(after) {
+                        *x -= e * f;
+                    }
+                }
+            }
+        }
+    }
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.scales, r.mins, r.codes))
+        .collect())
 }
 
 /// The candidate scales [`quantize_weighted`] tries per group: the base scale and each

@@ -37,7 +37,7 @@ impl GptqFactor {
     /// negative or non-finite `damp`, or a matrix that is not positive definite even
     /// after damping.
     pub fn new(gram: &[f64], cols: usize, damp: f64) -> Result<Self> {
-        let u = inverse_factor(gram, cols, damp)?;
+        let u = crate::kernels::inverse_factor(gram, cols, damp)?;
         let diag = (0..cols)
             .map(|i| gram.get(i * cols + i).copied().unwrap_or(0.0) as f32)
             .collect();
@@ -61,8 +61,11 @@ impl GptqFactor {
     }
 }
 
-/// `U` of [`GptqFactor::new`].
-fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
+/// `U` of [`GptqFactor::new`]. Inlined into each kernel tier's copy
+/// (`crate::kernels::inverse_factor`), whose vectors widen [`dot`]; every tier gives the
+/// same bits.
+#[inline(always)]
+pub(crate) fn inverse_factor_lanes(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
     if n == 0 || n.checked_mul(n) != Some(gram.len()) {
         return Err(Error::Shape(format!(
             "a Gram matrix of {} entries for {n} columns",
@@ -93,8 +96,7 @@ fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
             } else {
                 at(rev(i), rev(j))
             };
-            let (ri, rj) = (&m[i * n..i * n + j], &m[j * n..j * n + j]);
-            let s = h - ri.iter().zip(rj).map(|(a, b)| a * b).sum::<f64>();
+            let s = h - dot(&m[i * n..i * n + j], &m[j * n..j * n + j]);
             m[i * n + j] = if i == j {
                 if !(s > 0.0 && s.is_finite()) {
                     return Err(Error::Shape(format!(
@@ -108,32 +110,50 @@ fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
             };
         }
     }
-    // M⁻¹ row by row: row i = (e_i - Σ_{k<i} M[i][k] row k) / M[i][i]
-    let mut x = vec![0f64; n * n];
-    for i in 0..n {
-        let (done, rest) = x.split_at_mut(i * n);
-        let row = &mut rest[..n];
-        row[i] = 1.0;
-        for k in 0..i {
-            let c = m[i * n + k];
-            if c != 0.0 {
-                for (r, &v) in row[..=k].iter_mut().zip(&done[k * n..k * n + k + 1]) {
-                    *r -= c * v;
-                }
-            }
-        }
-        let d = m[i * n + i];
-        for r in &mut row[..=i] {
-            *r /= d;
+    // M⁻¹ by forward substitution, a column at a time, kept transposed so that every
+    // entry is again a dot product of contiguous runs: with `t[j]` column j of M⁻¹,
+    // `t[j][i] = (δ_ij - Σ_{j<=k<i} M[i][k] t[j][k]) / M[i][i]` for i >= j
+    let mut t = vec![0f64; n * n];
+    for j in 0..n {
+        for i in j..n {
+            let s = dot(&m[i * n + j..i * n + i], &t[j * n + j..j * n + i]);
+            let e = if i == j { 1.0 } else { 0.0 };
+            t[j * n + i] = (e - s) / m[i * n + i];
         }
     }
+    // U[i][j] = M⁻¹[rev i][rev j] = t[rev j][rev i]
     let mut u = vec![0f32; n * n];
     for i in 0..n {
         for j in i..n {
-            u[i * n + j] = x[rev(i) * n + rev(j)] as f32;
+            u[i * n + j] = t[rev(j) * n + rev(i)] as f32;
         }
     }
     Ok(u)
+}
+
+/// `Σ a_k b_k` in sixteen interleaved partial sums, added in a fixed order at the end:
+/// the compiler keeps them in vector registers as independent chains (a single running
+/// sum waits on each add), and the result is the same on every machine and tier.
+#[inline(always)]
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0f64; 16];
+    let ((a16, ra), (b16, rb)) = (a.as_chunks::<16>(), b.as_chunks::<16>());
+    let tail: f64 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    for (x, y) in a16.iter().zip(b16) {
+        for ((s, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s += x * y;
+        }
+    }
+    // halves added lane by lane down to one
+    let mut width = acc.len();
+    while width > 1 {
+        width /= 2;
+        let (lo, hi) = acc.split_at_mut(width);
+        for (l, h) in lo.iter_mut().zip(hi.iter()) {
+            *l += *h;
+        }
+    }
+    acc[0] + tail
 }
 
 #[cfg(test)]
@@ -161,7 +181,7 @@ mod tests {
             }
         }
         let damp = 0.01;
-        let u = inverse_factor(&h, n, damp).unwrap();
+        let u = inverse_factor_lanes(&h, n, damp).unwrap();
         let lambda = damp * (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
         for i in 0..n {
             for j in 0..n {
@@ -186,27 +206,80 @@ mod tests {
         }
     }
 
+    /// Every kernel tier's copy of the factor and of the lockstep block gives the bits of
+    /// the plain code, and a block gives each row the bits of that row run alone, for
+    /// every format.
+    #[test]
+    fn gptq_blocks_give_every_row_its_own_bits_on_every_tier() {
+        let (rows, cols) = (11, 150);
+        let mut s = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        // correlated inputs: each channel a running mix of the one before
+        let tokens = 40;
+        let mut x = vec![0f64; tokens * cols];
+        for t in 0..tokens {
+            let mut prev = 0.0;
+            for c in 0..cols {
+                prev = 0.8 * prev + next();
+                x[t * cols + c] = prev;
+            }
+        }
+        let mut h = vec![0f64; cols * cols];
+        for t in 0..tokens {
+            for i in 0..cols {
+                for j in 0..cols {
+                    h[i * cols + j] += x[t * cols + i] * x[t * cols + j];
+                }
+            }
+        }
+        let f = GptqFactor::new(&h, cols, 0.01).unwrap();
+        assert_eq!(f.u(), inverse_factor_lanes(&h, cols, 0.01).unwrap());
+        let w: Vec<f32> = (0..rows * cols).map(|_| next() as f32).collect();
+        for format in crate::Format::ALL {
+            let block = crate::kernels::gptq_block(&w, cols, format, f.u(), f.diag()).unwrap();
+            let plain = crate::format::gptq_block_lanes(&w, cols, format, f.u(), f.diag());
+            assert_eq!(block, plain.unwrap(), "{format}");
+            for (r, got) in block.iter().enumerate() {
+                let alone = crate::format::gptq_block_lanes(
+                    &w[r * cols..(r + 1) * cols],
+                    cols,
+                    format,
+                    f.u(),
+                    f.diag(),
+                )
+                .unwrap();
+                assert_eq!(alone.len(), 1);
+                assert_eq!(&alone[0], got, "{format}, row {r}");
+            }
+        }
+    }
+
     #[test]
     fn bad_gram_matrices_are_refused() {
         assert!(matches!(
-            inverse_factor(&[1.0; 3], 2, 0.01),
+            inverse_factor_lanes(&[1.0; 3], 2, 0.01),
             Err(Error::Shape(_))
         ));
         assert!(matches!(
-            inverse_factor(&[1.0, f64::NAN, f64::NAN, 1.0], 2, 0.01),
+            inverse_factor_lanes(&[1.0, f64::NAN, f64::NAN, 1.0], 2, 0.01),
             Err(Error::Shape(_))
         ));
         assert!(matches!(
-            inverse_factor(&[1.0, 0.0, 0.0, 1.0], 2, -1.0),
+            inverse_factor_lanes(&[1.0, 0.0, 0.0, 1.0], 2, -1.0),
             Err(Error::Shape(_))
         ));
         // indefinite, undamped
         assert!(matches!(
-            inverse_factor(&[1.0, 2.0, 2.0, 1.0], 2, 0.0),
+            inverse_factor_lanes(&[1.0, 2.0, 2.0, 1.0], 2, 0.0),
             Err(Error::Shape(_))
         ));
         // a dead column gets a diagonal of one
-        let u = inverse_factor(&[0.0, 0.0, 0.0, 4.0], 2, 0.0).unwrap();
+        let u = inverse_factor_lanes(&[0.0, 0.0, 0.0, 4.0], 2, 0.0).unwrap();
         assert_eq!(u, vec![1.0, 0.0, 0.0, 0.5]);
     }
 }

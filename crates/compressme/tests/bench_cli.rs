@@ -152,13 +152,23 @@ fn real_decoder_the_real_model_ci_report_replays() {
     );
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("reproduced"), "{stdout}");
-    // the fresh report measured memory and speed in child processes
+    // the fresh report measured memory and speed in child processes, for every variant
+    // but the shuffled controls
     let fresh: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(work.join("replay.json")).unwrap()).unwrap();
+    let mut controls = 0;
     for v in fresh["variants"].as_array().unwrap() {
+        if v["control"].as_bool().unwrap() {
+            controls += 1;
+            assert!(v["peak_rss_bytes"].is_null(), "{}", v["name"]);
+            let timed = v["timing"]["generate_threads"].as_array();
+            assert!(timed.is_none_or(Vec::is_empty), "{}", v["name"]);
+            continue;
+        }
         assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0, "{}", v["name"]);
         let t = &v["timing"]["generate_threads"][0];
         assert_eq!(t["threads"], 1);
         assert_eq!(t["timing"]["units"][0], 4, "{}", v["name"]);
     }
+    assert!(controls > 0, "no shuffled control in the CI report");
 }

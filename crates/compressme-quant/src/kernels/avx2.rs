@@ -902,4 +902,4 @@ unsafe fn fixed_row_imp(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
     super::fixed_row_body(row, out, nibbles)
 }
 
-candidate_errors_for_tier!("avx2,fma");
+vector_copies!("avx2,fma");

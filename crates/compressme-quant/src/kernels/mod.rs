@@ -5,34 +5,58 @@
 use crate::{Error, Format, Packed, Result};
 
 #[cfg(target_arch = "x86_64")]
-/// A tier's copy of [`crate::format::candidate_errors_lanes`], compiled with `$features`
-/// (the tier's `Token` proves them): `candidate_errors(token, ..)`, safe to call.
-macro_rules! candidate_errors_for_tier {
-    ($features:literal) => {
-        /// [`crate::format::candidate_errors_lanes`] built for this tier's vectors.
-        pub(super) fn candidate_errors(
-            _: Token,
-            group: &[f32],
-            imp: &[f32],
-            trial: &[f32; crate::format::CANDIDATES],
-            nf4: bool,
-            min: f32,
-        ) -> [f64; crate::format::CANDIDATES] {
+/// A tier's copies of plain-Rust functions written for the compiler's vectors (each
+/// `#[inline(always)]`, with no fused multiply-add written, so every copy gives the same
+/// bits): for each `name = path(args) -> ret`, a safe `name(token, args)` that runs
+/// `path` compiled with `$features`, which the tier's `Token` proves.
+macro_rules! tier_copies {
+    ($features:literal: $($name:ident = $path:path, ($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {$(
+        #[doc = concat!("[`", stringify!($path), "`] built for this tier's vectors.")]
+        pub(super) fn $name(_: Token, $($arg: $ty),*) -> $ret {
             #[target_feature(enable = $features)]
-            fn vectors(
-                group: &[f32],
-                imp: &[f32],
-                trial: &[f32; crate::format::CANDIDATES],
-                nf4: bool,
-                min: f32,
-            ) -> [f64; crate::format::CANDIDATES] {
-                crate::format::candidate_errors_lanes(group, imp, trial, nf4, min)
+            fn vectors($($arg: $ty),*) -> $ret {
+                $path($($arg),*)
             }
             // SAFETY: the token exists only where the CPU has `$features`; `vectors`
             // reads nothing but its safe arguments.
-            unsafe { vectors(group, imp, trial, nf4, min) }
+            unsafe { vectors($($arg),*) }
+        }
+    )*};
+}
+
+/// The copies [`tier_copies`] makes, listed once for every tier that makes them.
+#[cfg(target_arch = "x86_64")]
+macro_rules! vector_copies {
+    ($features:literal) => {
+        tier_copies! { $features:
+            candidate_errors = crate::format::candidate_errors_lanes,
+                (group: &[f32], imp: &[f32], trial: &[f32; crate::format::CANDIDATES], nf4: bool, min: f32)
+                -> [f64; crate::format::CANDIDATES];
+            gptq_block = crate::format::gptq_block_lanes,
+                (block: &[f32], cols: usize, format: crate::Format, u: &[f32], diag: &[f32])
+                -> crate::Result<Vec<crate::format::GptqRow>>;
+            inverse_factor = crate::gptq::inverse_factor_lanes,
+                (gram: &[f64], n: usize, damp: f64) -> crate::Result<Vec<f32>>;
         }
     };
+}
+
+/// Runs `$name($args)` on the widest tier the CPU has ([`vector_copies`]), the plain
+/// `$fallback` elsewhere: each tier's copy is the same code, so the bits do not depend
+/// on which runs.
+macro_rules! widest {
+    ($name:ident($($arg:expr),*) else $fallback:path) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(t) = avx512::Token::detect() {
+                return avx512::$name(t, $($arg),*);
+            }
+            if let Some(t) = avx2::Token::detect() {
+                return avx2::$name(t, $($arg),*);
+            }
+        }
+        $fallback($($arg),*)
+    }};
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -328,8 +352,7 @@ pub fn activations_for(format: Format) -> Result<Activations> {
 #[cfg(target_arch = "x86_64")]
 const SPLIT8_MIN_CODES: usize = 1 << 22;
 
-/// [`crate::format::candidate_errors_lanes`] compiled for the widest vectors the CPU has
-/// (each tier's copy is the same code, so the bits do not depend on which runs).
+/// [`crate::format::candidate_errors_lanes`] compiled for the widest vectors the CPU has.
 pub(crate) fn candidate_errors(
     group: &[f32],
     imp: &[f32],
@@ -337,16 +360,23 @@ pub(crate) fn candidate_errors(
     nf4: bool,
     min: f32,
 ) -> [f64; crate::format::CANDIDATES] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if let Some(t) = avx512::Token::detect() {
-            return avx512::candidate_errors(t, group, imp, trial, nf4, min);
-        }
-        if let Some(t) = avx2::Token::detect() {
-            return avx2::candidate_errors(t, group, imp, trial, nf4, min);
-        }
-    }
-    crate::format::candidate_errors_lanes(group, imp, trial, nf4, min)
+    widest!(candidate_errors(group, imp, trial, nf4, min) else crate::format::candidate_errors_lanes)
+}
+
+/// [`crate::format::gptq_block_lanes`] compiled for the widest vectors the CPU has.
+pub(crate) fn gptq_block(
+    block: &[f32],
+    cols: usize,
+    format: Format,
+    u: &[f32],
+    diag: &[f32],
+) -> Result<Vec<crate::format::GptqRow>> {
+    widest!(gptq_block(block, cols, format, u, diag) else crate::format::gptq_block_lanes)
+}
+
+/// [`crate::gptq::inverse_factor_lanes`] compiled for the widest vectors the CPU has.
+pub(crate) fn inverse_factor(gram: &[f64], n: usize, damp: f64) -> Result<Vec<f32>> {
+    widest!(inverse_factor(gram, n, damp) else crate::gptq::inverse_factor_lanes)
 }
 
 /// The instruction set a call runs with.
