@@ -2,6 +2,7 @@
 //! (`compressme_quant::GptqFactor`).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor, TensorId};
@@ -22,6 +23,8 @@ pub(crate) struct Collector {
     /// projections (its gate and up projections) are called on the same tensor, whose
     /// matrix is taken once.
     last: Mutex<Option<(TensorId, Vec<f32>)>>,
+    /// Products taken (inputs seen, less the repeats).
+    products: AtomicUsize,
     watch: Arc<Watch>,
 }
 
@@ -37,6 +40,7 @@ impl Collector {
                 .collect(),
             sums: Mutex::new(BTreeMap::new()),
             last: Mutex::new(None),
+            products: AtomicUsize::new(0),
             watch,
         }
     }
@@ -57,10 +61,12 @@ impl Collector {
                 got: width,
             });
         }
+        let id = x.id();
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         let g = match &*last {
-            Some((id, g)) if *id == x.id() && g.len() == cols.saturating_mul(cols) => g,
+            Some((seen, g)) if *seen == id && g.len() == cols.saturating_mul(cols) => g,
             _ => {
+                self.products.fetch_add(1, Ordering::Relaxed);
                 let x = x
                     .to_device(&Device::Cpu)
                     .and_then(|x| x.to_dtype(DType::F32))
@@ -75,7 +81,7 @@ impl Collector {
                     .and_then(|g| g.flatten_all())
                     .and_then(|g| g.to_vec1::<f32>())
                     .map_err(|e| model(e.into()))?;
-                &last.insert((x.id(), g)).1
+                &last.insert((id, g)).1
             }
         };
         if let Some(&value) = g.iter().find(|v| !v.is_finite()) {
@@ -216,6 +222,20 @@ mod tests {
         ];
         let forward = |m: &CausalLm, ids: &Tensor| m.forward(ids).map(drop);
         let grams = record_grams(&model, &batches, forward).unwrap();
+        // linears called on the same input share one product
+        let collector = Arc::new(Collector::new(&model, Arc::default()));
+        collector
+            .watch
+            .run(&model, &batches, forward, collector.clone())
+            .unwrap();
+        assert_eq!(collector.take(), grams);
+        let products = collector.products.load(Ordering::Relaxed);
+        assert!(
+            products < grams.len() * batches.len(),
+            "{products} products for {} linears and {} batches",
+            grams.len(),
+            batches.len()
+        );
         let profile = ActivationRecorder::new(ProfileSettings::default())
             .record(&model, &batches, forward)
             .unwrap();
