@@ -448,8 +448,8 @@ pub fn run_real(
     ));
     // GPTQ's factors, from each linear's input Gram matrix on the calibration windows (the
     // matrices, about a gigabyte, are dropped here)
-    let factors = match (cfg.gptq_damp, grams) {
-        (Some(damp), Some(grams)) => {
+    let factors = match cfg.gptq_damp.zip(grams) {
+        Some((damp, grams)) => {
             progress.stage("GPTQ factors", 1);
             let t = Instant::now();
             let factors = compressme_profile::factors_of(&grams, damp)?;
@@ -461,7 +461,7 @@ pub fn run_real(
             ));
             Some(factors)
         }
-        _ => None,
+        None => None,
     };
     if cfg.sensitivity_tokens > 0 {
         let ids = calib_ids
@@ -896,8 +896,11 @@ pub fn run_real(
     // formats of their plan on other modules) in child processes, in interleaved rounds
     let prompt: Vec<u32> = eval_ids.iter().take(cfg.prompt_tokens).copied().collect();
     let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
-    let timed: Vec<usize> = (0..variants.len())
-        .filter(|&i| variants.get(i).is_some_and(|v| !v.control))
+    let timed: Vec<usize> = variants
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !v.control)
+        .map(|(i, _)| i)
         .collect();
     let n = timed.len() * cfg.timing_threads.len();
     progress.stage("timing", (n * cfg.timing_reps) as u64);

@@ -160,18 +160,22 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 mod tests {
     use super::*;
 
+    /// Fixed pseudo-random numbers in [-0.5, 0.5) (xorshift) from a non-zero seed.
+    fn uniform(mut s: u64) -> impl FnMut() -> f64 {
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        }
+    }
+
     /// `Uᵀ U (H + λI)` is the identity, `U` is upper-triangular with a positive diagonal.
     #[test]
     fn the_factor_inverts_the_damped_gram_matrix() {
         let n = 37;
         // H = A Aᵀ + a little, from a fixed pseudo-random A (correlated columns)
-        let mut s = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-        };
+        let mut next = uniform(0x9e37_79b9_7f4a_7c15);
         let a: Vec<f64> = (0..n * 50).map(|_| next()).collect();
         let mut h = vec![0f64; n * n];
         for i in 0..n {
@@ -212,13 +216,7 @@ mod tests {
     #[test]
     fn gptq_blocks_give_every_row_its_own_bits_on_every_tier() {
         let (rows, cols) = (11, 150);
-        let mut s = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-        };
+        let mut next = uniform(0x2545_f491_4f6c_dd1d);
         // correlated inputs: each channel a running mix of the one before
         let tokens = 40;
         let mut x = vec![0f64; tokens * cols];
