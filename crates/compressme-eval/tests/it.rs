@@ -264,6 +264,15 @@ fn a_quantized_causal_model_shifts_its_distributions() {
         (s2.kl_mean - s.kl_mean).abs() < 1e-9 && s2.top1_agreement == s.top1_agreement,
         "{s2:?}"
     );
+    // the reference's probabilities worked out once give the same bits as taking them again
+    let cached = reference.clone().with_probabilities();
+    assert_eq!(cached.probabilities.len(), cached.distributions.len());
+    let (against3, s3) = compressme_eval::score_against(&docs, w, &cached, logits(&q)).unwrap();
+    assert_eq!(against3, against);
+    assert_eq!(s3.kl_mean.to_bits(), s2.kl_mean.to_bits());
+    assert_eq!(s3.kl_p99.to_bits(), s2.kl_p99.to_bits());
+    assert_eq!(s3.dp_correct_mean.to_bits(), s2.dp_correct_mean.to_bits());
+    assert_eq!(s3.top1_agreement, s2.top1_agreement);
     let pair = compressme_eval::score_pair(&docs, w, logits(&model), logits(&q)).unwrap();
     assert_eq!(pair.variant.nll(), quant.nll());
     assert_eq!(pair.reference.nll(), reference.nll());
