@@ -210,25 +210,6 @@ pub fn load_variant(file: &Path, candle: Option<LlamaFormat>) -> Result<Decoder>
     }
 }
 
-/// The order in which the lanes take `planned` (indices into it): candle's variants one
-/// every `planned.len() / candle's` places from the front, ours in their order between.
-fn lane_order(planned: &[Planned]) -> Vec<usize> {
-    let (candle, ours): (Vec<usize>, Vec<usize>) = (0..planned.len()).partition(|&i| {
-        planned
-            .get(i)
-            .is_some_and(|p| matches!(p.spec, Spec::Candle(_)))
-    });
-    let gap = planned.len() / candle.len().max(1);
-    let mut ours = ours.into_iter();
-    let mut order = Vec::with_capacity(planned.len());
-    for c in candle {
-        order.push(c);
-        order.extend(ours.by_ref().take(gap.saturating_sub(1)));
-    }
-    order.extend(ours);
-    order
-}
-
 /// Whether two sets of rows of logits are the same bits.
 fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
     a.len() == b.len()
@@ -897,28 +878,18 @@ pub fn run_real(
         3 * others.len() as u64,
     );
     let t_others = Instant::now();
-    // candle's variants spread out among ours, the first at the front: candle's quantized
-    // kernels take one caller at a time, so two of its variants at once leave a lane
-    // waiting; the report keeps the planned order
-    let order = lane_order(others);
-    let queue: Vec<&Planned> = order.iter().filter_map(|&i| others.get(i)).collect();
-    let mut done: Vec<(usize, _)> = order
-        .iter()
-        .copied()
-        .zip(compressme_quant::in_lanes(
-            &queue,
-            lanes,
-            || Ok(()),
-            |(), p| one(p, Some(&reference), &|line| progress.note(line)),
-        )?)
-        .collect();
-    done.sort_by_key(|(i, _)| *i);
+    let done = compressme_quant::in_lanes(
+        others,
+        lanes,
+        || Ok(()),
+        |(), p| one(p, Some(&reference), &|line| progress.note(line)),
+    )?;
     progress.done(&format!(
         "{} variants stored, reloaded and scored in {lanes} lanes of one thread in {:.0} s",
         others.len(),
         t_others.elapsed().as_secs_f64()
     ));
-    for (_, (v, file, candle, _)) in done {
+    for (v, file, candle, _) in done {
         variants.push(v);
         files.push((file, candle));
     }
@@ -1093,45 +1064,4 @@ pub fn run_real(
         artifact_version,
         seconds: t0.elapsed().as_secs_f64(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_lanes_take_every_variant_once_and_candles_apart() {
-        let ours = |n: usize| {
-            Planned::ours(
-                &format!("v{n}"),
-                String::new(),
-                false,
-                BTreeMap::new(),
-                None,
-            )
-        };
-        let candle = |f: LlamaFormat| Planned {
-            name: f.name().into(),
-            description: String::new(),
-            control: false,
-            spec: Spec::Candle(f),
-        };
-        // as `run_real` plans them: ours, then candle's three
-        let mut planned: Vec<Planned> = (0..16).map(ours).collect();
-        planned.extend([LlamaFormat::Q8_0, LlamaFormat::Q6K, LlamaFormat::Q4K].map(candle));
-        let order = lane_order(&planned);
-        let mut sorted = order.clone();
-        sorted.sort_unstable();
-        assert_eq!(sorted, (0..19).collect::<Vec<_>>());
-        let at: Vec<usize> = [16, 17, 18]
-            .iter()
-            .map(|c| order.iter().position(|i| i == c).unwrap())
-            .collect();
-        assert_eq!(at, [0, 6, 12]);
-        // ours keep their order between
-        let rest: Vec<usize> = order.iter().copied().filter(|&i| i < 16).collect();
-        assert_eq!(rest, (0..16).collect::<Vec<_>>());
-        // no candle variant: the planned order
-        assert_eq!(lane_order(&planned[..16]), (0..16).collect::<Vec<_>>());
-    }
 }
