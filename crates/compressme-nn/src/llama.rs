@@ -171,7 +171,7 @@ pub fn llama_qtensor(w: &[f32], rows: usize, cols: usize, format: LlamaFormat) -
 /// [`Error::Quant`] when `COMPRESSME_KERNEL` names a tier this CPU lacks or candle's
 /// bytes are not Q5_0 blocks of the tensor's shape; candle's errors reading them.
 pub fn replicate_ggml<M: Model + ?Sized>(model: &mut M) -> Result<usize> {
-    if compressme_quant::kernel_tier()? != compressme_quant::Tier::Avx512Vnni {
+    if compressme_quant::kernel_tier()? < compressme_quant::Tier::Avx512Vnni {
         return Ok(0);
     }
     let mut replaced = 0;
@@ -271,6 +271,54 @@ mod tests {
             assert_eq!(r.weight().describe(), name);
             assert_eq!(r.stored_bytes(), l.stored_bytes());
         }
+    }
+
+    /// candle's AMX Q4_K kernel (a batch of 32 or more) configures a thread's tiles once
+    /// and keeps them; our AMX tier, run on the same thread between two of its products,
+    /// gives the configuration back as it found it, so candle's second product is its
+    /// first's bits (with the tiles released under it, it faults; reshaped, it computes
+    /// with the wrong shapes). Skipped by name without AMX.
+    #[test]
+    fn our_amx_tiles_leave_candles_tiles_as_they_were() {
+        use crate::{Hooks, Linear};
+        use compressme_quant::{Backend, Format, Tier, matmul_with, quantize};
+        if !Tier::Avx512Amx.supported() {
+            eprintln!(
+                "skipped: our_amx_tiles_leave_candles_tiles_as_they_were (this CPU lacks {})",
+                Tier::Avx512Amx.needs()
+            );
+            return;
+        }
+        let (rows, cols, batch) = (64, 512, 32);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0)
+            .collect();
+        let dense = Tensor::from_slice(&w, (rows, cols), &Device::Cpu).unwrap();
+        let mut l = Linear::new("l", dense, None, Hooks::default()).unwrap();
+        l.set_weight(Weight::Ggml(Arc::new(
+            llama_qtensor(&w, rows, cols, LlamaFormat::Q4K).unwrap(),
+        )))
+        .unwrap();
+        let xv: Vec<f32> = (0..batch * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x = Tensor::from_slice(&xv, (1, batch, cols), &Device::Cpu).unwrap();
+        let candle = || -> Vec<u32> {
+            let y = l.forward(&x).unwrap().flatten_all().unwrap();
+            y.to_vec1::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f32::to_bits)
+                .collect()
+        };
+        let q = quantize(&w, rows, cols, Format::Int8).unwrap();
+        let ours = || matmul_with(Backend::Tier(Tier::Avx512Amx), &xv, batch, &q).unwrap();
+        // one thread: candle's block of 32 rows and our product on this thread
+        compressme_quant::single_threaded(|| {
+            let want = candle();
+            let y = ours();
+            assert_eq!(candle(), want);
+            assert_eq!(ours(), y);
+            assert_eq!(candle(), want);
+        });
     }
 
     #[test]

@@ -50,9 +50,10 @@ use super::avx2::{self, following, hsum};
 use super::split::{BYTE_ORDER, CHUNK, PAIR, PAIR_ORDER, SplitX};
 use super::{RowScales, RowsView};
 
-/// Proof that the CPU has AVX-512 F, BW, VL and VNNI, besides what the AVX2 tier needs.
+/// Proof that the CPU has AVX-512 F, BW, VL and VNNI, besides what the AVX2 tier needs;
+/// with AMX's proof where the tier runs the AMX tiles ([`super::Tier::Avx512Amx`]).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Token(avx2::Token);
+pub(super) struct Token(avx2::Token, Option<super::amx::Token>);
 
 impl Token {
     pub(super) fn detect() -> Option<Self> {
@@ -60,7 +61,17 @@ impl Token {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vnni");
-        avx2::Token::detect().filter(|_| ok).map(Self)
+        avx2::Token::detect().filter(|_| ok).map(|t| Self(t, None))
+    }
+
+    /// This tier with the AMX tiles, where the CPU and the operating system allow them.
+    pub(super) fn with_amx(self) -> Option<Self> {
+        super::amx::Token::detect().map(|a| Self(self.0, Some(a)))
+    }
+
+    /// AMX's proof, where this tier runs the AMX tiles.
+    pub(super) fn amx(self) -> Option<super::amx::Token> {
+        self.1
     }
 
     /// The AVX2 tier, which runs whatever this one has no faster path for.

@@ -87,6 +87,8 @@ macro_rules! in_quads {
 #[macro_use]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avxvnni;
@@ -170,11 +172,24 @@ pub enum Tier {
     /// of 32, short groups at batch 2 and up, F16/BF16 at batch 1) it runs the AVX2 tier's
     /// code.
     Avx512Vnni,
+    /// The AVX-512 VNNI tier with Intel's AMX tiles (AMX-TILE and AMX-INT8, Sapphire
+    /// Rapids on; Linux must grant the process the tile state) for 8-bit codes in long
+    /// groups (the per-row INT8 formats) at batches of 16 and more: each 14-bit
+    /// activation split exactly into a signed high and an unsigned low byte, 16 x 16 x 64
+    /// products a `tdpbssd` or `tdpbsud`, the weights read in place. The same bits as
+    /// the AVX-512 VNNI tier; everything else runs its code.
+    Avx512Amx,
 }
 
 impl Tier {
     /// Every tier, slowest first.
-    pub const ALL: [Self; 4] = [Self::Portable, Self::Avx2, Self::AvxVnni, Self::Avx512Vnni];
+    pub const ALL: [Self; 5] = [
+        Self::Portable,
+        Self::Avx2,
+        Self::AvxVnni,
+        Self::Avx512Vnni,
+        Self::Avx512Amx,
+    ];
 
     /// The name `COMPRESSME_KERNEL` takes.
     #[must_use]
@@ -184,6 +199,7 @@ impl Tier {
             Self::Avx2 => "avx2",
             Self::AvxVnni => "avx-vnni",
             Self::Avx512Vnni => "avx512-vnni",
+            Self::Avx512Amx => "avx512-amx",
         }
     }
 
@@ -201,6 +217,9 @@ impl Tier {
             Self::Avx2 => "avx2, fma, f16c",
             Self::AvxVnni => "avx2, fma, f16c, avx_vnni",
             Self::Avx512Vnni => "avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512_vnni",
+            Self::Avx512Amx => {
+                "avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512_vnni, amx_tile, amx_int8 (and Linux's permission)"
+            }
         }
     }
 
@@ -402,6 +421,10 @@ impl Isa {
             Tier::AvxVnni => avxvnni::Token::detect().map(Self::AvxVnni),
             #[cfg(target_arch = "x86_64")]
             Tier::Avx512Vnni => avx512::Token::detect().map(Self::Avx512),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx512Amx => avx512::Token::detect()
+                .and_then(avx512::Token::with_amx)
+                .map(Self::Avx512),
             #[cfg(not(target_arch = "x86_64"))]
             _ => None,
         }
@@ -1218,6 +1241,14 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if batch >= tiles::MIN_BATCH {
         let view = RowsView::new(w, fx.kp);
+        // the AMX tier's matrix unit, for 8-bit codes in long groups (the same bits)
+        if let Isa::Avx512(t) = isa
+            && let Some(a) = t.amx()
+            && amx::fits(&view, fx.kp, batch)
+        {
+            amx::run(a, fx, batch, &view, w.rows(), batch * w.rows() * cols, yt);
+            return;
+        }
         if let (Some(kind), true) = (isa.tiles(), tiles::fits(&view, fx.kp)) {
             let macs = batch * w.rows() * cols;
             // INT4's minimums: the same term `with_mins` adds

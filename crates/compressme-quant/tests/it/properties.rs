@@ -893,3 +893,53 @@ fn int8_block_gives_the_largest_weight_code_127_at_subnormal_scales() {
         assert_eq!((q2.codes(), q2.scales()), (q.codes(), q.scales()), "{v}");
     }
 }
+
+/// The AMX tiles give the AVX-512 VNNI tier's bits: whole tasks of 32 weight rows read in
+/// place and a last part task, one flush and several (a part flush last), whole and part
+/// blocks of 16 rows of `x`, and the largest codes and activations; skipped by name where
+/// the CPU or the operating system has no AMX.
+#[test]
+fn the_amx_tiles_give_the_avx512_bits() {
+    if !Tier::Avx512Amx.supported() {
+        eprintln!(
+            "skipped: the_amx_tiles_give_the_avx512_bits (this CPU lacks {})",
+            Tier::Avx512Amx.needs()
+        );
+        return;
+    }
+    let mut ran = 0;
+    for format in [Format::Int8, Format::Int8Rows] {
+        for (rows, cols) in [(70, 64), (32, 1024), (33, 2112), (64, 4096), (7, 576)] {
+            for extreme in [false, true] {
+                let w = if extreme {
+                    (0..rows * cols)
+                        .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
+                        .collect()
+                } else {
+                    weights(rows, cols, (rows * cols) as u64)
+                };
+                let q = quantize(&w, rows, cols, format).unwrap();
+                for batch in [16, 17, 32, 40] {
+                    let x: Vec<f32> = if extreme {
+                        (0..batch * cols)
+                            .map(|i| if i % 5 == 0 { -3.0 } else { 3.0 })
+                            .collect()
+                    } else {
+                        weights(batch, cols, 11 ^ cols as u64)
+                    };
+                    let bits = |t: Tier| -> Vec<u32> {
+                        let y = matmul_with(Backend::Tier(t), &x, batch, &q).unwrap();
+                        y.into_iter().map(f32::to_bits).collect()
+                    };
+                    assert_eq!(
+                        bits(Tier::Avx512Amx),
+                        bits(Tier::Avx512Vnni),
+                        "{format:?}, {rows} x {cols}, batch {batch}, extreme {extreme}"
+                    );
+                    ran += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(ran, 80);
+}
