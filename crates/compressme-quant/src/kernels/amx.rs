@@ -322,6 +322,8 @@ pub(super) fn run(
             let ok = w.len() == ROWS * kp
                 && xt.hi.len() >= blocks * steps * TILE
                 && xt.lo.len() >= blocks * steps * TILE;
+            // true by construction (`w` is 32 rows, `xt` every block's tiles)
+            debug_assert!(ok, "AMX task of {} bytes for {kp} columns", w.len());
             if ok {
                 // the thread's tile configuration as found, given back below: another
                 // user of AMX on this thread (candle's Q4_K kernels configure a thread once
@@ -341,8 +343,8 @@ pub(super) fn run(
                     asm!("ldtilecfg [{0}]", in(reg) &CONFIG, options(nostack, readonly));
                 }
                 // a flush's 32 rows (32 KB at most) read from memory for the first
-                // block of `x` and from the first-level cache for the others; each
-                // output's flushes still in order
+                // block of `x` and from the caches for the others; each output's
+                // flushes still in order
                 for (f, sc) in scales.iter().enumerate() {
                     for (k, acc) in s.acc.iter_mut().enumerate() {
                         let s0 = f * (FLUSH / STEP);
