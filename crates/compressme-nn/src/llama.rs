@@ -161,8 +161,9 @@ pub fn llama_qtensor(w: &[f32], rows: usize, cols: usize, format: LlamaFormat) -
 /// not a multiple of 256 in a Q4_K model), and the Q8_0 weights candle does not repack
 /// into its VNNI tiles (rows whose length is not a multiple of 256, or a row count not a
 /// multiple of 16: never repacked, whatever its tier), which it runs on its AVX2 dot
-/// product. Returns how many it replaced: none unless the kernel tier is AVX-512 VNNI,
-/// the only tier with a faster path (and a CPU where candle takes its AVX2 path).
+/// product. Returns how many it replaced: none unless the kernel tier is AVX-512 VNNI or
+/// the AMX tier above it, the only tiers with a faster path (and a CPU where candle takes
+/// its AVX2 path).
 ///
 /// For scoring quality only: a model whose speed stands for candle's keeps candle's
 /// kernels.
