@@ -174,7 +174,7 @@ pub enum Tier {
     Avx512Vnni,
     /// The AVX-512 VNNI tier with Intel's AMX tiles (AMX-TILE and AMX-INT8, Sapphire
     /// Rapids on; Linux must grant the process the tile state) for 8-bit codes in long
-    /// groups (the per-row INT8 formats) at batches of 16 and more: each 14-bit
+    /// groups (the per-row INT8 formats) at batches of 8 and more: each 14-bit
     /// activation split exactly into a signed high and an unsigned low byte, 16 x 16 x 64
     /// products a `tdpbssd` or `tdpbsud`, the weights read in place. The same bits as
     /// the AVX-512 VNNI tier; everything else runs its code.

@@ -919,7 +919,7 @@ fn the_amx_tiles_give_the_avx512_bits() {
                     weights(rows, cols, (rows * cols) as u64)
                 };
                 let q = quantize(&w, rows, cols, format).unwrap();
-                for batch in [16, 17, 32, 40] {
+                for batch in [8, 9, 16, 17, 32, 40] {
                     let x: Vec<f32> = if extreme {
                         (0..batch * cols)
                             .map(|i| if i % 5 == 0 { -3.0 } else { 3.0 })
@@ -941,5 +941,5 @@ fn the_amx_tiles_give_the_avx512_bits() {
             }
         }
     }
-    assert_eq!(ran, 80);
+    assert_eq!(ran, 120);
 }
