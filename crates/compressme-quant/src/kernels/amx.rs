@@ -39,7 +39,7 @@ use super::{FLUSH, FixedX, RowsView, avx512};
 /// The smallest batch that runs here, the tiles' (a tile holds 16 rows of `x`; below 16 the
 /// rest are zeros, and at 8 and 12 rows the tile unit still took 0.35-0.40x the time of
 /// the AVX-512 VNNI tiles, 4096 x 4096, one thread).
-pub(super) const MIN_BATCH: usize = 8;
+pub(super) const MIN_BATCH: usize = super::tiles::MIN_BATCH;
 /// Weight rows a task takes: two tiles.
 const ROWS: usize = 32;
 /// Rows of `x` a tile holds.
@@ -256,9 +256,10 @@ fn add_flush(sums: &Sums, scales: &[f32; ROWS], acc: &mut [[f32; LANES]; ROWS]) 
 }
 
 /// A thread's buffers: the last task's rows when they are fewer than [`ROWS`] (padded
-/// with zero rows), the sums and the accumulators.
+/// with zero rows), each flush's scales of the task's rows, the sums and the accumulators.
 struct Scratch {
     rows: Vec<u8>,
+    scales: Vec<[f32; ROWS]>,
     sums: Box<Sums>,
     acc: Vec<[[f32; LANES]; ROWS]>,
 }
@@ -286,6 +287,7 @@ pub(super) fn run(
         macs,
         || Scratch {
             rows: Vec::new(),
+            scales: vec![[0.0; ROWS]; flushes],
             sums: Box::new([[[0; LANES]; 16]; 4]),
             acc: vec![[[0.0; LANES]; ROWS]; blocks],
         },
@@ -309,10 +311,10 @@ pub(super) fn run(
                     &s.rows
                 }
             };
-            let mut scales = vec![[0f32; ROWS]; flushes];
+            // rows past `n` keep a scale from before: their outputs are not written
             for (r, row) in (first..first + n).enumerate() {
                 let rs = view.scales_of(row);
-                for (f, sc) in scales.iter_mut().enumerate() {
+                for (f, sc) in s.scales.iter_mut().enumerate() {
                     if let Some(o) = sc.get_mut(r) {
                         *o = rs.get(f);
                     }
@@ -347,7 +349,7 @@ pub(super) fn run(
                 // a flush's 32 rows (32 KB at most) read from memory for the first
                 // block of `x` and from the caches for the others; each output's
                 // flushes still in order
-                for (f, sc) in scales.iter().enumerate() {
+                for (f, sc) in s.scales.iter().enumerate() {
                     for (k, acc) in s.acc.iter_mut().enumerate() {
                         let s0 = f * (FLUSH / STEP);
                         let s1 = (s0 + FLUSH / STEP).min(steps);

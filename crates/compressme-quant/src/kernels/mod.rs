@@ -1241,16 +1241,16 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if batch >= tiles::MIN_BATCH {
         let view = RowsView::new(w, fx.kp);
+        let macs = batch * w.rows() * cols;
         // the AMX tier's matrix unit, for 8-bit codes in long groups (the same bits)
         if let Isa::Avx512(t) = isa
             && let Some(a) = t.amx()
             && amx::fits(&view, fx.kp, batch)
         {
-            amx::run(a, fx, batch, &view, w.rows(), batch * w.rows() * cols, yt);
+            amx::run(a, fx, batch, &view, w.rows(), macs, yt);
             return;
         }
         if let (Some(kind), true) = (isa.tiles(), tiles::fits(&view, fx.kp)) {
-            let macs = batch * w.rows() * cols;
             // INT4's minimums: the same term `with_mins` adds
             let mins = |r: usize, b: usize| with_mins(0.0, r, b);
             let mins: Option<&(dyn Fn(usize, usize) -> f32 + Sync)> =
