@@ -2,7 +2,7 @@
 //! 4096 weights, in strict alternation, for a speed ratio that a noisy machine cannot tilt:
 //! `cargo run --release -p compressme-benches --example peer_probe -- FORMAT PEER [PAIRS
 //! [BATCH [MATRICES [TIER [RUN]]]]]` (defaults `nf4-g64 q4k 400 1 1 best 1`; PEER is `q8_0`,
-//! `q4_0`, `q4k`, `q6k` or `q5_0`).
+//! `q4_0`, `q4_1`, `q4k`, `q6k` or `q5_0`).
 //!
 //! Each pair times one product of ours and one of candle's, one right after the other (the
 //! order swapped every pair), on matrix `p % MATRICES` of both sides: 1 keeps the weights
@@ -53,10 +53,11 @@ fn main() -> Result<(), String> {
     let peer = match peer_name.to_ascii_lowercase().as_str() {
         "q8_0" => LlamaFormat::Q8_0,
         "q4_0" => LlamaFormat::Q4_0,
+        "q4_1" => LlamaFormat::Q4_1,
         "q4k" | "q4_k" => LlamaFormat::Q4K,
         "q6k" | "q6_k" => LlamaFormat::Q6K,
         "q5_0" => LlamaFormat::Q5_0,
-        p => return Err(format!("peer {p}: q8_0, q4_0, q4k, q6k or q5_0")),
+        p => return Err(format!("peer {p}: q8_0, q4_0, q4_1, q4k, q6k or q5_0")),
     };
     let format = Format::parse(&name).map_err(|e| s(&e))?;
     let n = 4096;

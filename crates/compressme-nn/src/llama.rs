@@ -40,6 +40,9 @@ pub enum LlamaFormat {
     Q8_0,
     /// 4-bit, one f16 scale per 32 weights: 4.5 bits a weight.
     Q4_0,
+    /// 4-bit, one f16 scale and one f16 minimum per 32 weights: 5 bits a weight (the layout
+    /// of our `int4-g32`).
+    Q4_1,
     /// 4-bit K-quant, super-blocks of 256 with 6-bit sub-block scales and minimums: 4.5 bits.
     Q4K,
     /// 6-bit K-quant, super-blocks of 256: 6.5625 bits a weight.
@@ -51,7 +54,14 @@ pub enum LlamaFormat {
 
 impl LlamaFormat {
     /// Every format compared.
-    pub const ALL: [Self; 5] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K, Self::Q5_0];
+    pub const ALL: [Self; 6] = [
+        Self::Q8_0,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q4K,
+        Self::Q6K,
+        Self::Q5_0,
+    ];
 
     /// candle's type for the format.
     #[must_use]
@@ -59,6 +69,7 @@ impl LlamaFormat {
         match self {
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4_1 => GgmlDType::Q4_1,
             Self::Q4K => GgmlDType::Q4K,
             Self::Q6K => GgmlDType::Q6K,
             Self::Q5_0 => GgmlDType::Q5_0,
@@ -83,6 +94,7 @@ impl LlamaFormat {
         match self {
             Self::Q8_0 => "q8_0",
             Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
             Self::Q4K => "q4_k",
             Self::Q6K => "q6_k",
             Self::Q5_0 => "q5_0",

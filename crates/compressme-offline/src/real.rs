@@ -218,7 +218,7 @@ fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
         })
 }
 
-/// Parses a candle format name (`q8_0`, `q6_k`, `q4_k`, `q4_0`, `q5_0`).
+/// Parses a candle format name (`q8_0`, `q6_k`, `q4_k`, `q4_0`, `q4_1`, `q5_0`).
 ///
 /// # Errors
 /// [`Error::Config`] for another name.
