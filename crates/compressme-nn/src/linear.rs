@@ -360,19 +360,20 @@ fn packed_forward(name: &str, x: &Tensor, p: &Packed) -> Result<Tensor> {
     }
     let x32 = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
     let y = if n <= DIRECT_MAX_ROWS {
-        let xv = x32.flatten_all()?.to_vec1::<f32>()?;
-        let y = compressme_quant::matmul(&xv, n, p)?;
+        let y = crate::ops::with_f32(&x32, |xv| compressme_quant::matmul(xv, n, p))??;
         Tensor::from_vec(y, out_shape, &Device::Cpu)?
     } else if p.rows() * cols >= KERNEL_MIN_WEIGHTS && kernels_at_any_batch() {
-        let xv = x32.flatten_all()?.to_vec1::<f32>()?;
         let rows = p.rows();
         let mut y = vec![0f32; n * rows];
-        for (xc, yc) in xv
-            .chunks(KERNEL_CHUNK_ROWS * cols)
-            .zip(y.chunks_mut(KERNEL_CHUNK_ROWS * rows))
-        {
-            compressme_quant::matmul_into(xc, xc.len() / cols, p, yc)?;
-        }
+        crate::ops::with_f32(&x32, |xv| {
+            for (xc, yc) in xv
+                .chunks(KERNEL_CHUNK_ROWS * cols)
+                .zip(y.chunks_mut(KERNEL_CHUNK_ROWS * rows))
+            {
+                compressme_quant::matmul_into(xc, xc.len() / cols, p, yc)?;
+            }
+            Ok::<_, compressme_quant::Error>(())
+        })??;
         Tensor::from_vec(y, out_shape, &Device::Cpu)?
     } else {
         tiled(&x32.reshape((n, cols))?, p)?.reshape(out_shape)?
@@ -394,8 +395,7 @@ fn replica_forward(name: &str, x: &Tensor, m: &GgmlMatrix) -> Result<Tensor> {
     if let Some(last) = out_shape.last_mut() {
         *last = m.rows();
     }
-    let xv = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let y = m.matmul(&xv, xv.len() / m.cols().max(1))?;
+    let y = crate::ops::with_f32(x, |xv| m.matmul(xv, xv.len() / m.cols().max(1)))??;
     Ok(Tensor::from_vec(y, out_shape, &Device::Cpu)?.to_dtype(x.dtype())?)
 }
 

@@ -64,13 +64,15 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
             w.len()
         )));
     }
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let eps = eps as f32;
-    let mut out = Vec::with_capacity(xs.len());
-    for row in xs.chunks_exact(h) {
-        let d = (sum8(row, |v| v * v) / h as f32 + eps).sqrt();
-        out.extend(row.iter().zip(&w).map(|(&v, &w)| v / d * w));
-    }
+    let out = with_f32(x, |xs| {
+        let mut out = Vec::with_capacity(xs.len());
+        for row in xs.chunks_exact(h) {
+            let d = (sum8(row, |v| v * v) / h as f32 + eps).sqrt();
+            out.extend(row.iter().zip(&w).map(|(&v, &w)| v / d * w));
+        }
+        out
+    })?;
     Ok(Tensor::from_vec(out, x.dims(), x.device())?)
 }
 
@@ -98,6 +100,24 @@ fn f32_elements(x: &Tensor) -> Result<Option<Vec<f32>>> {
     Ok(Some(x.flatten_all()?.to_vec1::<f32>()?))
 }
 
+/// `f` of `x`'s elements in row-major order, read where candle keeps them when `x` is a
+/// contiguous f32 tensor in memory (no copy), else of a copy (converted to f32). For
+/// inputs that are only read: a window's linears and element-wise operations copied
+/// every input once before (about a tenth of a 512-token window's samples were copies).
+pub(crate) fn with_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = x.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+            && let Some(v) = v.get(a..b)
+        {
+            return Ok(f(v));
+        }
+    }
+    let v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&v))
+}
+
 /// The refusal of two tensors that an elementwise operation needs of one shape.
 fn shapes_differ(what: &str, a: &Tensor, b: &Tensor) -> crate::Error {
     crate::Error::Shape(format!("{what} of {:?} and {:?}", a.dims(), b.dims()))
@@ -113,10 +133,10 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dims() != b.dims() {
         return Err(shapes_differ("a sum", a, b));
     }
-    let (Some(mut x), Some(y)) = (f32_elements(a)?, f32_elements(b)?) else {
+    let (Some(mut x), DType::F32) = (f32_elements(a)?, b.dtype()) else {
         return Ok((a + b)?);
     };
-    x.iter_mut().zip(&y).for_each(|(x, &y)| *x += y);
+    with_f32(b, |y| x.iter_mut().zip(y).for_each(|(x, &y)| *x += y))?;
     Ok(Tensor::from_vec(x, a.dims(), a.device())?)
 }
 
@@ -130,12 +150,14 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.dims() != up.dims() {
         return Err(shapes_differ("a gated product", gate, up));
     }
-    let (Some(mut g), Some(u)) = (f32_elements(gate)?, f32_elements(up)?) else {
+    let (Some(mut g), DType::F32) = (f32_elements(gate)?, up.dtype()) else {
         return Ok((gate.silu()? * up)?);
     };
-    g.iter_mut()
-        .zip(&u)
-        .for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u);
+    with_f32(up, |u| {
+        g.iter_mut()
+            .zip(u)
+            .for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u);
+    })?;
     Ok(Tensor::from_vec(g, gate.dims(), gate.device())?)
 }
 
@@ -454,6 +476,42 @@ mod tests {
     use candle_core::{D, Device};
 
     use super::*;
+
+    /// `with_f32` gives the row-major elements `to_vec1` gives: of a whole tensor and of a
+    /// narrowed one read in place (its offset), of a transposed one and another dtype
+    /// through a copy.
+    #[test]
+    fn with_f32_reads_every_view_in_row_major_order() {
+        let t = Tensor::arange(0f32, 24.0, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        let views = [
+            t.clone(),
+            t.narrow(0, 1, 1).unwrap(),
+            t.transpose(1, 2).unwrap(),
+            t.to_dtype(DType::F64).unwrap(),
+        ];
+        for x in &views {
+            let want = x
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(
+                with_f32(x, <[f32]>::to_vec).unwrap(),
+                want,
+                "{:?}",
+                x.layout()
+            );
+        }
+        assert_eq!(
+            with_f32(&views[1], |v| v.first().copied()).unwrap(),
+            Some(12.0)
+        );
+    }
 
     /// Deterministic values in about [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
