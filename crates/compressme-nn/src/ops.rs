@@ -104,6 +104,9 @@ fn f32_elements(x: &Tensor) -> Result<Option<Vec<f32>>> {
 /// contiguous f32 tensor in memory (no copy), else of a copy (converted to f32). For
 /// inputs that are only read: a window's linears and element-wise operations copied
 /// every input once before (about a tenth of a 512-token window's samples were copies).
+/// `f` runs under candle's read lock of `x`'s storage, so it must not reach for a tensor's
+/// storage itself (a second lock of the same storage on this thread may deadlock once a
+/// writer waits): the callers here pass only slices and our own buffers.
 pub(crate) fn with_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     {
         let (storage, layout) = x.storage_and_layout();
