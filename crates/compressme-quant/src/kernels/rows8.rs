@@ -197,7 +197,7 @@ pub(super) fn run(
     let Some(lut) = view.lut else {
         return;
     };
-    let panel = Panel::new(x, batch, cols, true, 1);
+    let panel = Panel::new(x, batch, cols, true, 1, kind);
     let blocks = panel.blocks();
     let gblocks = group_blocks(view, blocks);
     let mut shape = Shape::new(kind, lut, blocks, gblocks, view.row_bytes);
@@ -1379,8 +1379,11 @@ mod tests {
                 let built = layouts.tiled.get().map(|t| t.codes.clone());
                 assert_eq!(built, Some(tiled.codes.clone()), "{format:?}");
             }
-            // the definition, reading either layout
-            let panel = Panel::new(&x, MAX_BATCH, cols, true, 1);
+            // the definition, reading either layout (the panel's bytes are every kind's)
+            let Some(&widest) = kinds.last() else {
+                return;
+            };
+            let panel = Panel::new(&x, MAX_BATCH, cols, true, 1, widest);
             let blocks = panel.blocks();
             let gblocks = group_blocks(&view, blocks);
             let body = &tiled.codes[..];
@@ -1434,7 +1437,10 @@ mod tests {
             Format::Int4Block(GroupSize::G64),
         ] {
             let q = quantize(&w, rows, cols, format).unwrap();
-            let panel = Panel::new(&x, XR, cols, true, 1);
+            let Some(&widest) = kinds.last() else {
+                return;
+            };
+            let panel = Panel::new(&x, XR, cols, true, 1, widest);
             let view = RowsView::new(&q, panel.kp);
             assert!(fits(&view), "{format:?}");
             let blocks = panel.blocks();
@@ -1484,7 +1490,11 @@ mod tests {
         let cols = 5 * BLOCK - 3;
         let mut next = xorshift(0x51ed_270b);
         let x: Vec<f32> = (0..cols).map(|_| (next() % 255) as f32 - 127.0).collect();
-        let panel = Panel::new(&x, 1, cols, true, 1);
+        let kinds = super::super::tiles::tests::kinds("chunked_x_is_each_chunks_halves_in_order");
+        let Some(&widest) = kinds.last() else {
+            return;
+        };
+        let panel = Panel::new(&x, 1, cols, true, 1, widest);
         let (units, _, _) = panel.block(0);
         let natural: Vec<i8> = units
             .iter()

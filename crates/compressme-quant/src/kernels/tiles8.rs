@@ -72,7 +72,7 @@ const LANES: usize = 16;
 
 /// `q.round().clamp(-127, 127)` for a finite `q` at most a little past 127 in magnitude
 /// (rounding half away from zero, as [`super::round_fixed`] does).
-#[inline]
+#[cfg(test)]
 fn round8(q: f32) -> i8 {
     // a no-op for the values made here; keeps any other value's truncation in range
     let q = q.clamp(-128.0, 128.0);
@@ -83,6 +83,7 @@ fn round8(q: f32) -> i8 {
 }
 
 /// Where value `i` of a block goes in nibble order ([`super::nibble_slot`] within a block).
+#[cfg(test)]
 const NIBBLE_SLOTS: [usize; BLOCK] = {
     let mut t = [0; BLOCK];
     let mut i = 0;
@@ -134,9 +135,19 @@ type PanelParts<'a> = (&'a mut [u32], &'a mut [f32], &'a mut [i32], &'a mut [f32
 
 impl Panel {
     /// `x` (`[batch, cols]`, every value finite) for `lanes` lanes; `nibbles` puts each
-    /// block in nibble order. Panels of `lanes` rows are independent, so a large `x` is
-    /// rounded a panel at a time on the kernel pool's threads, with the same bits.
-    pub(super) fn new(x: &[f32], batch: usize, cols: usize, nibbles: bool, lanes: usize) -> Self {
+    /// block in nibble order; `kind` is the tier that multiplies, whose vectors round it
+    /// (AVX-512's sixteen values at a time on its own tier only, so a forced lower tier
+    /// is timed as it runs on a CPU without AVX-512; the same bytes either way). Panels of
+    /// `lanes` rows are independent, so a large `x` is rounded a panel at a time on the
+    /// kernel pool's threads, with the same bits.
+    pub(super) fn new(
+        x: &[f32],
+        batch: usize,
+        cols: usize,
+        nibbles: bool,
+        lanes: usize,
+        kind: Kind,
+    ) -> Self {
         let lanes = lanes.max(1);
         let kp = cols.div_ceil(BLOCK) * BLOCK;
         let (units, blocks) = (kp / 4, kp / BLOCK);
@@ -145,8 +156,7 @@ impl Panel {
         let mut step = vec![0f32; panels * blocks * lanes];
         let mut bias = vec![0i32; panels * blocks * lanes];
         let mut sums = vec![0f32; batch * blocks];
-        let avx2 = super::avx2::Token::detect().is_some();
-        let avx512 = super::avx512::Token::detect().is_some();
+        let avx512 = matches!(kind, Kind::Avx512(_));
         let shape = Shape {
             x,
             batch,
@@ -156,13 +166,11 @@ impl Panel {
         };
         let one = |k: usize, parts: PanelParts<'_>| {
             if avx512 {
-                // SAFETY: the CPU was just seen to have the AVX-512 tier's features
+                // SAFETY: the AVX-512 tier's token in `kind` proves its features
                 unsafe { fill_avx512(&shape, k, parts) };
-            } else if avx2 {
-                // SAFETY: the CPU was just seen to have AVX2
-                unsafe { fill_avx2(&shape, k, parts) };
             } else {
-                fill::<SCALAR>(&shape, k, parts);
+                // SAFETY: every tier's token proves AVX2
+                unsafe { fill_avx2(&shape, k, parts) };
             }
         };
         // (no columns: nothing to fill, and no chunks of zero length)
@@ -248,17 +256,15 @@ unsafe fn fill_avx512(shape: &Shape<'_>, k: usize, parts: PanelParts<'_>) {
     fill::<AVX512>(shape, k, parts);
 }
 
-/// [`fill`]'s rounding: one value at a time ([`round_block`]).
-const SCALAR: u8 = 0;
-/// [`fill`]'s rounding: [`round_block_avx2`], only from [`fill_avx2`].
+/// [`fill`]'s rounding: [`round_block_avx2`], from [`fill_avx2`].
 const AVX2: u8 = 1;
-/// [`fill`]'s rounding: [`round_block_avx512`], only from [`fill_avx512`].
+/// [`fill`]'s rounding: [`round_block_avx512`], from [`fill_avx512`].
 const AVX512: u8 = 2;
 
 /// Panel `k` (rows `k · lanes..`) of `shape.x`: its units, steps and biases (laid out as
 /// in [`Panel`], from the panel's start) and its rows' block sums. `MODE` picks how each
-/// block is rounded ([`SCALAR`], [`AVX2`] or [`AVX512`]: the same bits as [`round8`] a
-/// value); only the function compiled for its features passes a vector mode.
+/// block is rounded ([`AVX2`] or [`AVX512`], each the same bits as [`round8`] a value);
+/// only [`fill_avx2`] and [`fill_avx512`], compiled for their features, call it.
 #[inline(always)]
 fn fill<const MODE: u8>(shape: &Shape<'_>, k: usize, (q, step, bias, sums): PanelParts<'_>) {
     let (cols, lanes) = (shape.cols.max(1), shape.lanes);
@@ -280,14 +286,13 @@ fn fill<const MODE: u8>(shape: &Shape<'_>, k: usize, (q, step, bias, sums): Pane
             let (bytes, qsum) = if absmax > 0.0 {
                 let (pre, inv) = prescale(absmax, 127.0);
                 let sum = |b: [i8; BLOCK]| (b, b.iter().map(|&v| i32::from(v)).sum::<i32>());
-                match MODE {
+                if MODE == AVX512 {
                     // SAFETY: only `fill_avx512`, compiled with AVX-512 F, BW and VL for a
                     // CPU that has them, passes `AVX512`
-                    AVX512 => unsafe { round_block_avx512(&v, pre, inv, shape.nibbles) },
-                    // SAFETY: only `fill_avx2`, compiled with AVX2 for a CPU that has it,
-                    // passes `AVX2`
-                    AVX2 => sum(unsafe { round_block_avx2(&v, pre, inv, shape.nibbles) }),
-                    _ => sum(round_block(&v, pre, inv, shape.nibbles)),
+                    unsafe { round_block_avx512(&v, pre, inv, shape.nibbles) }
+                } else {
+                    // SAFETY: both callers are compiled with AVX2 for a CPU that has it
+                    sum(unsafe { round_block_avx2(&v, pre, inv, shape.nibbles) })
                 }
             } else {
                 ([0i8; BLOCK], 0)
@@ -313,8 +318,9 @@ fn fill<const MODE: u8>(shape: &Shape<'_>, k: usize, (q, step, bias, sums): Pane
 }
 
 /// A block rounded to 8 bits with `round8((x · pre) · inv)`, in nibble order when
-/// `nibbles` (slot `i < 16` value `2i`, slot `16 + i` value `2i + 1`).
-#[inline(always)]
+/// `nibbles` (slot `i < 16` value `2i`, slot `16 + i` value `2i + 1`): the definition the
+/// tests hold the vector roundings to (every tier that rounds `x` to 8 bits has AVX2).
+#[cfg(test)]
 fn round_block(v: &[f32; BLOCK], pre: f32, inv: f32, nibbles: bool) -> [i8; BLOCK] {
     let mut natural = [0i8; BLOCK];
     for (o, &x) in natural.iter_mut().zip(v) {
@@ -1022,7 +1028,7 @@ pub(super) fn run(
     mins: Option<&[f32]>,
 ) {
     let lanes = kind.lanes();
-    let panel = Panel::new(x, batch, cols, view.lut.is_some(), lanes);
+    let panel = Panel::new(x, batch, cols, view.lut.is_some(), lanes, kind);
     let (kp, blocks) = (panel.kp, panel.blocks());
     // a per-row format is one group of the whole row
     let gblocks = group_blocks(view, blocks);
@@ -1169,7 +1175,7 @@ mod tests {
                     (true, Codes::Table),
                     (true, Codes::Linear),
                 ] {
-                    let panel = Panel::new(&x, batch, cols, nibbles, kind.lanes());
+                    let panel = Panel::new(&x, batch, cols, nibbles, kind.lanes(), kind);
                     let code = |c: i8| match codes {
                         Codes::Bytes => c,
                         Codes::Table => c.max(-127),
@@ -1228,15 +1234,17 @@ mod tests {
     /// panic), and a value far out of range clamps.
     #[test]
     fn tiny_blocks_round_in_proportion() {
-        for absmax in [f32::from_bits(1), 1e-40, 1e-37, 1e-30] {
-            let x = [absmax, -absmax, 0.0, absmax];
-            let p = Panel::new(&x, 1, 4, false, 8);
-            assert_eq!(
-                p.q[0].to_le_bytes().map(|b| b as i8),
-                [127, -127, 0, 127],
-                "{absmax:e}"
-            );
-            assert_eq!(p.step[0], absmax / 127.0);
+        for kind in kinds("tiny_blocks_round_in_proportion") {
+            for absmax in [f32::from_bits(1), 1e-40, 1e-37, 1e-30] {
+                let x = [absmax, -absmax, 0.0, absmax];
+                let p = Panel::new(&x, 1, 4, false, 8, kind);
+                assert_eq!(
+                    p.q[0].to_le_bytes().map(|b| b as i8),
+                    [127, -127, 0, 127],
+                    "{absmax:e} {kind:?}"
+                );
+                assert_eq!(p.step[0], absmax / 127.0);
+            }
         }
         assert_eq!(round8(f32::INFINITY), 127);
         assert_eq!(round8(f32::NEG_INFINITY), -127);
@@ -1306,8 +1314,9 @@ mod tests {
     fn the_panel_is_each_block_rounded_with_its_step() {
         let cols = 40;
         let x: Vec<f32> = (0..2 * cols).map(|i| (i as f32 - 30.0) / 7.0).collect();
-        for nibbles in [false, true] {
-            let p = Panel::new(&x, 2, cols, nibbles, 8);
+        let kinds = kinds("the_panel_is_each_block_rounded_with_its_step");
+        for (kind, nibbles) in kinds.iter().flat_map(|&k| [(k, false), (k, true)]) {
+            let p = Panel::new(&x, 2, cols, nibbles, 8, kind);
             assert_eq!(p.kp, 64);
             for b in 0..2 {
                 for c in 0..2 {
