@@ -11,7 +11,8 @@ use std::arch::x86_64::{
     _mm256_add_epi32, _mm256_add_ps, _mm256_castps256_ps128, _mm256_castsi256_ps,
     _mm256_cvtepi8_epi16, _mm256_cvtepi32_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
     _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_madd_epi16,
-    _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32, _mm256_storeu_ps,
+    _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi32,
+    _mm256_storeu_ps,
 };
 
 use super::{RowScales, RowsView, STEP, portable};
@@ -638,6 +639,13 @@ pub(super) fn add_dot_f32_columns(t: Token, a: &[f32], xt: &[f32], stride: usize
     unsafe { add_dot_f32_columns_imp(a, xt, stride, out) };
 }
 
+/// The constants of [`portable::dot_f32`]'s tail, which the column dots take lane by lane:
+/// it sums its products from the neutral element of `f32`'s `Sum` (the first), and adds
+/// that sum to the sum of its eight accumulators, zeros for a tail (the second).
+pub(super) fn tail_constants() -> (f32, f32) {
+    (std::iter::empty::<f32>().sum(), [0f32; 8].iter().sum())
+}
+
 /// # Safety
 /// AVX2 and FMA present; `stride` a multiple of 8 and at least `out.len()`; `xt` at least
 /// `a.len() · stride` long.
@@ -645,7 +653,8 @@ pub(super) fn add_dot_f32_columns(t: Token, a: &[f32], xt: &[f32], stride: usize
 unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
     let n = a.len();
     let body = n / 8 * 8;
-    let mut head = [0f32; 8];
+    let (neutral, zeros) = tail_constants();
+    let (neutral, zeros) = (_mm256_set1_ps(neutral), _mm256_set1_ps(zeros));
     let mut c0 = 0;
     while c0 < out.len() {
         let mut p = [_mm256_setzero_ps(); 8];
@@ -667,41 +676,33 @@ unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mu
         let s2 = _mm256_add_ps(p[2], p[6]);
         let s3 = _mm256_add_ps(p[3], p[7]);
         let h = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-        // SAFETY: 8 f32
-        unsafe { _mm256_storeu_ps(head.as_mut_ptr(), h) };
-        let cols = (out.len() - c0).min(8);
-        add_heads(a, xt, stride, c0, &head[..cols], out);
-        c0 += 8;
-    }
-}
-
-/// The end of a step of the column dots: `out[c0 + c] += head[c] + tail`, the tail being
-/// [`portable::dot_f32`] of `a`'s last `a.len() % 8` terms and column `c0 + c`'s (as
-/// [`dot_f32`] adds it). Shared by the AVX2 and AVX-512 steps.
-pub(super) fn add_heads(
-    a: &[f32],
-    xt: &[f32],
-    stride: usize,
-    c0: usize,
-    head: &[f32],
-    out: &mut [f32],
-) {
-    let n = a.len();
-    let body = n / 8 * 8;
-    let no_tail = portable::dot_f32(&[], &[]);
-    let mut tail = [0f32; 8];
-    for (c, &hc) in head.iter().enumerate() {
-        let t = if body == n {
-            no_tail
-        } else {
-            for (i, v) in tail.iter_mut().enumerate().take(n - body) {
-                *v = xt.get((body + i) * stride + c0 + c).copied().unwrap_or(0.0);
-            }
-            portable::dot_f32(a.get(body..).unwrap_or(&[]), &tail[..n - body])
-        };
-        if let Some(o) = out.get_mut(c0 + c) {
-            *o += hc + t;
+        // the portable tail, lane by lane: the products (not fused) summed in order
+        let mut t = neutral;
+        let mut i = body;
+        while i < n {
+            // SAFETY: i < n: row i of `xt` holds columns c0..c0 + 8 (caller)
+            let x = unsafe { _mm256_loadu_ps(xt.as_ptr().add(i * stride + c0)) };
+            t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(a[i]), x));
+            i += 1;
         }
+        // out[c] += head[c] + tail[c]
+        let add = _mm256_add_ps(h, _mm256_add_ps(zeros, t));
+        let cols = (out.len() - c0).min(8);
+        if cols == 8 {
+            // SAFETY: c0 + 8 <= out.len()
+            unsafe {
+                let o = out.as_mut_ptr().add(c0);
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), add));
+            }
+        } else {
+            let mut v = [0f32; 8];
+            // SAFETY: 8 f32
+            unsafe { _mm256_storeu_ps(v.as_mut_ptr(), add) };
+            for (o, &v) in out.iter_mut().skip(c0).zip(&v[..cols]) {
+                *o += v;
+            }
+        }
+        c0 += 8;
     }
 }
 

@@ -35,14 +35,16 @@ use std::arch::x86_64::{
     __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
     _mm256_broadcastsi128_si256, _mm256_castpd_ps, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
     _mm256_maskz_loadu_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_sub_epi32, _mm512_add_epi32,
-    _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd,
+    _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd,
     _mm512_castps512_ps256, _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16,
     _mm512_cvtepi32_ps, _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32,
     _mm512_dpwssd_epi32, _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
-    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_maskz_loadu_epi8, _mm512_maskz_loadu_epi16,
-    _mm512_maskz_loadu_epi32, _mm512_permutexvar_epi8, _mm512_permutexvar_epi64, _mm512_set1_epi8,
-    _mm512_set1_ps, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512,
-    _mm512_shuffle_epi8, _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_storeu_ps, _mm512_maskz_loadu_epi8,
+    _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi32, _mm512_maskz_loadu_ps, _mm512_mul_ps,
+    _mm512_permutexvar_epi8, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_set1_ps,
+    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
+    _mm512_shuffle_f32x4, _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
     _mm512_xor_si512,
 };
 
@@ -677,7 +679,8 @@ fn tree(p: &[__m512; 8]) -> __m512 {
 unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mut [f32]) {
     let n = a.len();
     let body = n / 8 * 8;
-    let mut head = [0f32; 32];
+    let (neutral, zeros) = avx2::tail_constants();
+    let (neutral, zeros) = (_mm512_set1_ps(neutral), _mm512_set1_ps(zeros));
     let mut c0 = 0;
     while c0 < out.len() {
         let two = c0 + 32 <= stride;
@@ -701,15 +704,117 @@ unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mu
             }
             j += 8;
         }
-        // SAFETY: 16 f32 each, inside `head`
-        unsafe {
-            _mm512_storeu_ps(head.as_mut_ptr(), tree(&p0));
-            _mm512_storeu_ps(head.as_mut_ptr().add(16), tree(&p1));
+        // the portable tail, lane by lane: the products (not fused) summed in order
+        let (mut t0, mut t1) = (neutral, neutral);
+        let mut i = body;
+        while i < n {
+            // SAFETY: i < n: row i of `xt` holds columns c0..c0 + 16, and c0 + 16..c0 + 32
+            // when `two` (caller)
+            unsafe {
+                let row = xt.as_ptr().add(i * stride + c0);
+                let m = _mm512_set1_ps(*a.get_unchecked(i));
+                t0 = _mm512_add_ps(t0, _mm512_mul_ps(m, _mm512_loadu_ps(row)));
+                if two {
+                    t1 = _mm512_add_ps(t1, _mm512_mul_ps(m, _mm512_loadu_ps(row.add(16))));
+                }
+            }
+            i += 1;
         }
-        let width = if two { 32 } else { 16 };
-        let cols = (out.len() - c0).min(width);
-        avx2::add_heads(a, xt, stride, c0, &head[..cols], out);
-        c0 += width;
+        // out[c] += head[c] + tail[c], the columns past `out` masked off
+        let cols = (out.len() - c0).min(if two { 32 } else { 16 });
+        let adds = [
+            _mm512_add_ps(tree(&p0), _mm512_add_ps(zeros, t0)),
+            _mm512_add_ps(tree(&p1), _mm512_add_ps(zeros, t1)),
+        ];
+        for (k, add) in adds.into_iter().enumerate() {
+            let lanes = cols.saturating_sub(16 * k).min(16);
+            if lanes == 0 {
+                break;
+            }
+            let mask: u16 = if lanes == 16 { !0 } else { (1 << lanes) - 1 };
+            // SAFETY: the mask keeps to the `lanes` values from c0 + 16k, inside `out`
+            unsafe {
+                let o = out.as_mut_ptr().add(c0 + 16 * k);
+                let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), add);
+                _mm512_mask_storeu_ps(o, mask, sum);
+            }
+        }
+        c0 += if two { 32 } else { 16 };
+    }
+}
+
+/// A 16 x 16 transpose: lane `r` of vector `j` from lane `j` of vector `r`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) fn transpose_16(r: &[__m512; 16]) -> [__m512; 16] {
+    // (plain loops: closures here are not inlined into the caller's features)
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + e], 128-bit lane l: rows 4i..4i + 4, element 4l + e
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        for h in 0..2 {
+            let a = _mm512_castps_pd(t[4 * i + h]);
+            let b = _mm512_castps_pd(t[4 * i + 2 + h]);
+            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    }
+    let mut out = [_mm512_setzero_ps(); 16];
+    for e in 0..4 {
+        let v0 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[e], u[4 + e]);
+        let v1 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[e], u[4 + e]);
+        let v2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + e], u[12 + e]);
+        let v3 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + e], u[12 + e]);
+        out[e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v0, v2);
+        out[4 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v0, v2);
+        out[8 + e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v1, v3);
+        out[12 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v1, v3);
+    }
+    out
+}
+
+/// `dst[j · dst_stride + i] = src[i · src_stride + j]` for `i, j < 16`: the 16 x 16 tile
+/// at the start of `src` transposed into the start of `dst`, sixteen vectors loaded and
+/// sixteen stored. `false`, with nothing written, where a tile reaches past its slice.
+pub(super) fn transpose_tile(
+    t: Token,
+    src: &[f32],
+    src_stride: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+) -> bool {
+    let fits = |len: usize, stride: usize| {
+        stride
+            .checked_mul(15)
+            .and_then(|last| last.checked_add(16))
+            .is_some_and(|end| end <= len)
+    };
+    if !fits(src.len(), src_stride) || !fits(dst.len(), dst_stride) {
+        return false;
+    }
+    let _ = t;
+    // SAFETY: the token proves the features; rows i < 16 of 16 values at i · stride are
+    // inside each slice (checked above)
+    unsafe { transpose_tile_imp(src, src_stride, dst, dst_stride) };
+    true
+}
+
+/// # Safety
+/// AVX-512 F present; `15 · src_stride + 16 <= src.len()` and the same for `dst`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn transpose_tile_imp(src: &[f32], src_stride: usize, dst: &mut [f32], dst_stride: usize) {
+    let mut r = [_mm512_setzero_ps(); 16];
+    for (i, v) in r.iter_mut().enumerate() {
+        // SAFETY: row i < 16 is inside `src` (caller)
+        *v = unsafe { _mm512_loadu_ps(src.as_ptr().add(i * src_stride)) };
+    }
+    for (j, v) in transpose_16(&r).into_iter().enumerate() {
+        // SAFETY: row j < 16 is inside `dst` (caller)
+        unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(j * dst_stride), v) };
     }
 }
 
