@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::report::{Corpus, Report, ThreadTiming, Variant, VariantTiming};
 use crate::stages::{
-    Lm, Planned, Rounding, Spec, io, paired_rows, plans_of, read_gguf, storage, write_gguf,
+    Gptq, Lm, Planned, Rounding, Spec, io, paired_rows, plans_of, read_gguf, storage, write_gguf,
     write_ours,
 };
 use crate::{BenchConfig, Error, Progress, Result, Tolerance};
@@ -448,7 +448,7 @@ pub fn run_real(
         t0.elapsed().as_secs_f64()
     ));
     // GPTQ's factors, from each linear's input Gram matrix on the calibration windows (the
-    // matrices, about a gigabyte, are dropped here)
+    // matrices, about a gigabyte, are dropped here); the variants share their rounding
     let factors = match cfg.gptq_damp.zip(grams) {
         Some((damp, grams)) => {
             progress.stage("GPTQ factors", 1);
@@ -460,7 +460,7 @@ pub fn run_real(
                 factors.len(),
                 t.elapsed().as_secs_f64()
             ));
-            Some(factors)
+            Some(Gptq::new(factors))
         }
         None => None,
     };

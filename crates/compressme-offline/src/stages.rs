@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
@@ -16,7 +16,7 @@ use compressme_eval::{Rows, Timing, paired};
 use compressme_nn::{CausalLm, Decoder, LlamaFormat, Model, ModuleMut};
 use compressme_plan::{Choice, Plan};
 use compressme_profile::Profile;
-use compressme_quant::GptqFactor;
+use compressme_quant::{Format, GptqFactor, Packed};
 
 use crate::report::{ModuleBytes, PairedRow, Storage, Variant};
 use crate::{Error, Progress, Result};
@@ -143,9 +143,64 @@ pub(crate) fn file_sha256(path: &Path) -> Result<String> {
     Ok(sha256_hex(&std::fs::read(path).map_err(io(path))?))
 }
 
+/// A run's GPTQ rounding: each linear's factor (from its input's Gram matrix on the
+/// calibration windows), and the weights it has rounded so far, by module and format. A
+/// linear's rounding depends only on its weights, its format and its factor, all fixed for
+/// the run, so the variants that share a pair (a plan and its shuffles, the plans beside
+/// each other) round it once: the same bytes as rounding it again
+/// (`compressme_quant::quantize_gptq` is deterministic), without the time. Two lanes that
+/// ask for the same pair together round it once; the other waits.
+pub(crate) struct Gptq {
+    factors: BTreeMap<String, Arc<GptqFactor>>,
+    rounded: Mutex<HashMap<(String, Format), Arc<Rounded>>>,
+}
+
+/// One linear's rounding in one format, made by the first lane that asks.
+type Rounded = OnceLock<std::result::Result<Arc<Packed>, String>>;
+
+impl Gptq {
+    pub(crate) fn new(factors: BTreeMap<String, Arc<GptqFactor>>) -> Self {
+        Self {
+            factors,
+            rounded: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Linear `module`'s weight `w` (`[rows, cols]`, or more dimensions flattened into
+    /// the columns, as `Writer::prepare` reads it) GPTQ-rounded to `format`.
+    fn rounded(&self, module: &str, format: Format, w: &Tensor) -> Result<Arc<Packed>> {
+        let factor = self.factors.get(module).ok_or_else(|| {
+            Error::Config(format!(
+                "{module}: no input Gram matrix to round it by GPTQ"
+            ))
+        })?;
+        let slot = {
+            let mut map = self
+                .rounded
+                .lock()
+                .map_err(|_| Error::Config("a lane rounding by GPTQ panicked".into()))?;
+            Arc::clone(map.entry((module.to_string(), format)).or_default())
+        };
+        slot.get_or_init(|| {
+            let rows = w.dims().first().copied().unwrap_or(0);
+            let cols = w.elem_count() / rows.max(1);
+            w.flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| e.to_string())
+                .and_then(|v| {
+                    compressme_quant::quantize_gptq(&v, rows, cols, format, factor)
+                        .map(Arc::new)
+                        .map_err(|e| format!("{module}: {e}"))
+                })
+        })
+        .clone()
+        .map_err(Error::Config)
+    }
+}
+
 /// Writes an artifact of every tensor: modules named in `choices` as chosen, rounded by
-/// `rounding` (with `profile`'s channel statistics for [`Rounding::Aware`], `factors`,
-/// by module, for [`Rounding::Gptq`]), everything else dense; `metadata` lets the
+/// `rounding` (with `profile`'s channel statistics for [`Rounding::Aware`], `gptq`'s
+/// factors and its rounded weights for [`Rounding::Gptq`]), everything else dense; `metadata` lets the
 /// artifact run alone.
 #[allow(clippy::too_many_arguments)] // one call site per benchmark, every argument distinct
 pub(crate) fn write_ours(
@@ -157,7 +212,7 @@ pub(crate) fn write_ours(
     plan: Option<&Plan>,
     block_rows: usize,
     rounding: Rounding,
-    factors: Option<&BTreeMap<String, Arc<GptqFactor>>>,
+    gptq: Option<&Gptq>,
 ) -> Result<compressme_artifact::Summary> {
     let mut w = Writer::create(path)?;
     w.recipe_mut().source_metadata = metadata.clone();
@@ -167,30 +222,30 @@ pub(crate) fn write_ours(
         w.recipe_mut().output_head_policy = Some(plan.policy.describe());
     }
     for (name, t) in tensors {
-        let bytes = f32_bytes(t)?;
         let shape = t.dims().to_vec();
         let module = name.strip_suffix(".weight");
-        match module.and_then(|m| choices.get(m).map(|c| (m, c))) {
+        let choice = module.and_then(|m| choices.get(m).map(|c| (m, c)));
+        if let (Some((m, Choice::Format(f))), Rounding::Gptq) = (choice, rounding) {
+            let gptq = gptq.ok_or_else(|| {
+                Error::Config(format!("{m}: no input Gram matrices to round it by GPTQ"))
+            })?;
+            // `Writer::prepare`'s GPTQ storage, its rounding made once a run
+            let packed = gptq.rounded(m, *f, t)?;
+            w.add_packed(name, Dtype::F32, &shape, &packed)?;
+            continue;
+        }
+        let bytes = f32_bytes(t)?;
+        match choice {
             Some((m, Choice::Format(f))) => {
-                let storage = if rounding == Rounding::Gptq {
-                    let factor = factors.and_then(|fs| fs.get(m)).ok_or_else(|| {
-                        Error::Config(format!("{m}: no input Gram matrix to round it by GPTQ"))
-                    })?;
-                    ArtifactStorage::Gptq {
-                        format: *f,
-                        factor: factor.clone(),
-                    }
-                } else {
-                    let importance = profile
-                        .modules
-                        .get(m)
-                        .filter(|_| rounding == Rounding::Aware)
-                        .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
-                        .unwrap_or_default();
-                    ArtifactStorage::Quantized {
-                        format: *f,
-                        importance,
-                    }
+                let importance = profile
+                    .modules
+                    .get(m)
+                    .filter(|_| rounding == Rounding::Aware)
+                    .map(|s| s.channel_mean_sq().iter().map(|&v| v as f32).collect())
+                    .unwrap_or_default();
+                let storage = ArtifactStorage::Quantized {
+                    format: *f,
+                    importance,
                 };
                 let input = Input::Borrowed(&bytes);
                 w.commit(Writer::prepare(name, Dtype::F32, &shape, input, &storage)?)?;
@@ -461,4 +516,47 @@ pub(crate) fn paired_rows(
         });
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run's GPTQ rounding is made once a (module, format) pair and gives the bytes of
+    /// rounding it alone; another format, or another module, is rounded apart.
+    #[test]
+    fn gptq_rounding_is_made_once_a_module_and_format() {
+        let (rows, cols) = (8, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+            .collect();
+        let x: Vec<f64> = (0..4 * cols)
+            .map(|i| ((i * 13 % 29) as f64 - 14.0) / 7.0)
+            .collect();
+        let mut gram = vec![0f64; cols * cols];
+        for row in x.chunks(cols) {
+            for (i, a) in row.iter().enumerate() {
+                for (j, b) in row.iter().enumerate() {
+                    gram[i * cols + j] += a * b;
+                }
+            }
+        }
+        let factor = Arc::new(GptqFactor::new(&gram, cols, 0.01).unwrap());
+        let factors = ["a", "b"]
+            .into_iter()
+            .map(|m| (m.to_string(), Arc::clone(&factor)))
+            .collect();
+        let gptq = Gptq::new(factors);
+        let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
+        let nf4 = Format::parse("nf4-g32").unwrap();
+        let int4 = Format::parse("int4-g32").unwrap();
+        let first = gptq.rounded("a", nf4, &t).unwrap();
+        let alone = compressme_quant::quantize_gptq(&w, rows, cols, nf4, &factor).unwrap();
+        assert_eq!(first.codes(), alone.codes());
+        assert_eq!(first.scales(), alone.scales());
+        assert!(Arc::ptr_eq(&first, &gptq.rounded("a", nf4, &t).unwrap()));
+        assert!(!Arc::ptr_eq(&first, &gptq.rounded("b", nf4, &t).unwrap()));
+        assert!(!Arc::ptr_eq(&first, &gptq.rounded("a", int4, &t).unwrap()));
+        assert!(gptq.rounded("c", nf4, &t).is_err());
+    }
 }
