@@ -466,7 +466,13 @@ impl Rows {
         let (kp, ng) = (self.kp, self.groups);
         for (k, row) in self.codes.chunks_exact_mut(kp.max(1)).enumerate().take(n) {
             let codes = view.codes_of(first + k);
-            row.fill(pad);
+            // the padding: what the codes below leave (a 4-bit row's whole runs of 16
+            // code bytes write all 32 of their values; a shorter last run leaves gaps)
+            let written = match view.lut {
+                Some(_) => (codes.len() / 16).min(row.len() / 32) * 32,
+                None => codes.len().min(row.len()),
+            };
+            row.get_mut(written..).unwrap_or(&mut []).fill(pad);
             match view.lut {
                 Some(lut) => {
                     let lut = if biased {
