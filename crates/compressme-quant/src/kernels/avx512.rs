@@ -41,11 +41,11 @@ use std::arch::x86_64::{
     _mm512_dpwssd_epi32, _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
     _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_storeu_ps, _mm512_maskz_loadu_epi8,
     _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi32, _mm512_maskz_loadu_ps, _mm512_mul_ps,
-    _mm512_permutexvar_epi8, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_set1_ps,
-    _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8,
-    _mm512_shuffle_f32x4, _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
-    _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
-    _mm512_xor_si512,
+    _mm512_permutexvar_epi8, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_set1_epi32,
+    _mm512_set1_ps, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512,
+    _mm512_shuffle_epi8, _mm512_shuffle_f32x4, _mm512_slli_epi32, _mm512_srli_epi16,
+    _mm512_storeu_ps, _mm512_sub_epi32, _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd,
+    _mm512_unpacklo_ps, _mm512_xor_si512,
 };
 
 use super::avx2::{self, following, hsum};
@@ -320,6 +320,185 @@ unsafe fn byte_rows_loop<const M: usize, const FAR: bool>(
         g += 1;
     }
     f.map(|v| hsum(v))
+}
+
+/// The bytes layout of an 8-bit per-row matrix (`rows` rows of `view.row_bytes` codes), a
+/// tile of 16 rows at a time, for [`byte_tile`]: for tile `t`, vector `v` (columns `64v..64v
+/// + 64`), lane `L` of the bytes layout (the four columns `64v + byte_source(4L + k)`, one
+/// class) and row `r` of the tile, those four codes biased to unsigned bytes (`c + 128`) at
+/// `((t · vectors + v) · 16 + L) · 64 + 4r`, `vectors` the row's bytes over 64 rounded up;
+/// 128 (a zero code) past a row's end and for rows past the matrix. Each 64-byte vector is
+/// one class's four columns of each of 16 rows, a lane a row, met by four bytes of `x`
+/// broadcast: one stream in order, and no permutation a product (where [`byte_rows_imp`]
+/// reads sixteen streams and permutes every vector).
+pub(super) fn tile_bytes(view: &RowsView<'_>, rows: usize) -> crate::format::Tiled {
+    let vectors = view.row_bytes.div_ceil(64);
+    let span = vectors * 16 * 64;
+    let tiles = rows.div_ceil(16);
+    let mut codes = vec![0x80u8; tiles * span];
+    // tile `t`'s codes into `tile`
+    let fill = |t: usize, tile: &mut [u8]| {
+        for r in 0..16 {
+            let row = view.codes_of(t * 16 + r);
+            for (v, piece) in row.chunks(64).enumerate() {
+                for (i, &src) in BYTE_ORDER.iter().enumerate() {
+                    let (lane, k) = (i / 4, i % 4);
+                    if let (Some(&c), Some(o)) = (
+                        piece.get(usize::from(src)),
+                        tile.get_mut(((v * 16 + lane) * 16 + r) * 4 + k),
+                    ) {
+                        *o = c ^ 0x80;
+                    }
+                }
+            }
+        }
+    };
+    // on the kernels' pool, runs of whole tiles, from 1 MB of codes (as `rows8::tile`)
+    let threads = super::pool::threads();
+    let per_run = tiles.div_ceil(4 * threads).max(1);
+    let runs: Vec<&mut [u8]> = codes.chunks_mut((per_run * span).max(1)).collect();
+    super::pool::each(
+        threads > 1 && tiles * span >= 1 << 20,
+        runs,
+        &|i, run: &mut [u8]| {
+            for (k, tile) in run.chunks_exact_mut(span.max(1)).enumerate() {
+                fill(i * per_run + k, tile);
+            }
+        },
+    );
+    crate::format::Tiled {
+        codes: codes.into_boxed_slice(),
+        scales: None,
+        mins: None,
+    }
+}
+
+/// Rows `first..first + out.len()` (`out.len() <= 16`, tile `first / 16` of [`tile_bytes`]'s
+/// `tiled`) of an 8-bit per-row matrix against one row of `x` split into bytes
+/// ([`SplitX::new_bytes`]): [`byte_rows_imp`]'s sums and arithmetic, lane by lane, so its
+/// bits. Each vector's 64 products go into its class's sums for 16 rows at once
+/// (`vpdpbusd`, the codes against four bytes of `x` broadcast); a group's end puts the low
+/// and high parts together (`l + 256 · h`, integers: the order of the adds does not
+/// matter), takes `128 · Σ x` off and runs the AVX2 tier's `fma` with each row's scale, and
+/// the eight classes are added in `hsum`'s order. `false`, with nothing written, where the
+/// layout, the rows or `sx` do not fit.
+pub(super) fn byte_tile(
+    t: Token,
+    tiled: &[u8],
+    view: &RowsView<'_>,
+    first: usize,
+    sx: &SplitX,
+    out: &mut [f32],
+) -> bool {
+    let len = view.row_bytes;
+    let vectors = len.div_ceil(64);
+    let span = vectors * 16 * 64;
+    let fits = view.lut.is_none()
+        && out.len() <= 16
+        && first.is_multiple_of(16)
+        && sx.per_byte == 1
+        && sx.covers(len, view.group)
+        && sx.xl.len() >= vectors * 64;
+    let Some(codes) = tiled
+        .get(first / 16 * span..(first / 16 + 1) * span)
+        .filter(|_| fits)
+    else {
+        return false;
+    };
+    // each group's scale for each of the 16 rows (0 past `out`, and past a row's groups)
+    let groups = (0..out.len())
+        .map(|k| view.scales_of(first + k).len())
+        .min()
+        .unwrap_or(0);
+    let scales: Vec<[f32; 16]> = (0..groups)
+        .map(|g| {
+            std::array::from_fn(|k| {
+                if k < out.len() {
+                    view.scales_of(first + k).get(g)
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    let _ = t;
+    // SAFETY: the token proves the features; `codes` is `vectors` vectors of 16 lanes, and
+    // `sx` holds `vectors · 64` bytes of each part and the corrections of every group the
+    // rows reach (`covers`, checked above)
+    let sums = unsafe { byte_tile_imp(codes, sx, (view.group / 64).max(1), vectors, &scales) };
+    for (o, s) in out.iter_mut().zip(sums) {
+        *o = s;
+    }
+    true
+}
+
+/// How far ahead [`byte_tile_imp`] prefetches its stream.
+const TILE8_AHEAD: usize = 2048;
+
+/// # Safety
+/// The token's features present; `codes` at least `vectors · 1024` bytes; `sx.xl` and
+/// `sx.xh` at least `vectors · 64`; `sx.corr` at least `8 · scales.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn byte_tile_imp(
+    codes: &[u8],
+    sx: &SplitX,
+    per_group: usize,
+    vectors: usize,
+    scales: &[[f32; 16]],
+) -> [f32; 16] {
+    let zero = _mm512_setzero_si512();
+    let mut f = [_mm512_setzero_ps(); 8];
+    let (mut l, mut h) = ([zero; 8], [zero; 8]);
+    let (xl, xh) = (sx.xl.as_ptr().cast::<i32>(), sx.xh.as_ptr().cast::<i32>());
+    let (mut v, mut g) = (0, 0);
+    while v < vectors {
+        let end = (v + per_group).min(vectors);
+        while v < end {
+            // (a plain loop: iterators here are not inlined into the caller's features)
+            #[allow(clippy::needless_range_loop)]
+            for lane in 0..16 {
+                let at = v * 16 + lane;
+                // the stream ahead (a hint: any address is allowed)
+                _mm_prefetch::<_MM_HINT_T0>(
+                    codes.as_ptr().wrapping_add(at * 64 + TILE8_AHEAD).cast(),
+                );
+                // SAFETY: at < vectors · 16: the vector is inside `codes`, the words inside
+                // `xl` and `xh` (caller)
+                let (c, wl, wh) = unsafe {
+                    (
+                        _mm512_loadu_si512(codes.as_ptr().add(at * 64).cast()),
+                        xl.add(at).read_unaligned(),
+                        xh.add(at).read_unaligned(),
+                    )
+                };
+                let m = lane % 8;
+                l[m] = _mm512_dpbusd_epi32(l[m], c, _mm512_set1_epi32(wl));
+                h[m] = _mm512_dpbusd_epi32(h[m], c, _mm512_set1_epi32(wh));
+            }
+            v += 1;
+        }
+        if let Some(s) = scales.get(g) {
+            // SAFETY: 16 f32
+            let sv = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+            for m in 0..8 {
+                let sums = _mm512_add_epi32(l[m], _mm512_slli_epi32::<8>(h[m]));
+                let corr = sx.corr.get(8 * g + m).copied().unwrap_or(0);
+                let classes = _mm512_sub_epi32(sums, _mm512_set1_epi32(corr));
+                f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(classes), sv, f[m]);
+            }
+        }
+        (l, h) = ([zero; 8], [zero; 8]);
+        g += 1;
+    }
+    // hsum's order: ((c0 + c4) + (c1 + c5)) + ((c2 + c6) + (c3 + c7))
+    let s = _mm512_add_ps(
+        _mm512_add_ps(_mm512_add_ps(f[0], f[4]), _mm512_add_ps(f[1], f[5])),
+        _mm512_add_ps(_mm512_add_ps(f[2], f[6]), _mm512_add_ps(f[3], f[7])),
+    );
+    let mut out = [0f32; 16];
+    // SAFETY: 16 f32
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), s) };
+    out
 }
 
 /// The end of group `g` of split sums ([`SplitX`]): for each row, the low and high parts'

@@ -330,7 +330,7 @@ impl Activations {
 }
 
 /// Whether the kernels may build in-memory layouts of a matrix (today `rows8`'s tiled
-/// layout, see [`Packed::layout_bytes`]): unless `COMPRESSME_REPACK` is `0` (read once a
+/// layout and `avx512::tile_bytes`', see [`Packed::layout_bytes`]): unless `COMPRESSME_REPACK` is `0` (read once a
 /// process).
 #[cfg(target_arch = "x86_64")]
 fn repack() -> bool {
@@ -1235,6 +1235,20 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
         let d = fx.d.first().copied().unwrap_or(0.0);
         let view = RowsView::new(w, fx.kp);
         let x = isa.row_input(fx.row(0), &view);
+        // 8-bit codes with `x` split into bytes (the AVX-512 tier): read from the tiled
+        // layout, built on the first such product
+        #[cfg(target_arch = "x86_64")]
+        let tiled = match (isa, &x.split) {
+            (Isa::Avx512(_), Some(sx)) if view.lut.is_none() && sx.per_byte == 1 && repack() => {
+                Some(
+                    &*w.layouts
+                        .tiled
+                        .get_or_init(|| avx512::tile_bytes(&view, w.rows()))
+                        .codes,
+                )
+            }
+            _ => None,
+        };
         run_tasks(
             yt,
             ROWS_PER_TASK,
@@ -1242,7 +1256,18 @@ fn int_rows(isa: Isa, fx: &FixedX, batch: usize, w: &Packed, yt: &mut [f32]) {
             || (),
             |(), (task, out)| {
                 let first = task * ROWS_PER_TASK;
-                isa.dot_rows(&view, first, &x, out);
+                #[cfg(target_arch = "x86_64")]
+                let done = match (isa, tiled, &x.split) {
+                    (Isa::Avx512(t), Some(tl), Some(sx)) => {
+                        avx512::byte_tile(t, tl, &view, first, sx, out)
+                    }
+                    _ => false,
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let done = false;
+                if !done {
+                    isa.dot_rows(&view, first, &x, out);
+                }
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = with_mins(*o, first + k, 0) * d;
                 }
@@ -1809,6 +1834,63 @@ mod tests {
                     "{format} batch {batch}"
                 );
             }
+        }
+    }
+
+    /// INT8 per row at batch 1 read from the tiled layout (`avx512::byte_tile`) gives the
+    /// bits of the rows read as stored (`avx512::dot_rows`, the AVX-512 and AVX2 code), on
+    /// rows with and without a partial last vector, groups that end inside a row, tiles
+    /// that reach past the matrix, outlier weights and `x` at the ends of its 14 bits.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn int8_rows_from_the_tiled_layout_give_the_stored_layouts_bits() {
+        let (Some(t), true) = (avx512::Token::detect(), avx512::vbmi()) else {
+            eprintln!(
+                "skipped: int8_rows_from_the_tiled_layout_give_the_stored_layouts_bits \
+                 (this CPU lacks AVX-512 VNNI or VBMI)"
+            );
+            return;
+        };
+        let isa = Isa::Avx512(t);
+        for (rows, cols, seed) in [(16, 64, 1), (33, 1008, 2), (40, 2112, 3), (17, 4096, 4)] {
+            let w =
+                crate::synthetic::matrix(crate::synthetic::MatrixKind::Outliers, rows, cols, seed);
+            let p = crate::quantize(&w, rows, cols, Format::Int8).unwrap();
+            let mut x =
+                crate::synthetic::matrix(crate::synthetic::MatrixKind::StudentT, 1, cols, seed);
+            // the row's extremes, so the 14-bit values reach both ends
+            x[0] = x.iter().fold(0f32, |a, v| a.max(v.abs())) * 1.5;
+            x[cols / 2] = -x[0];
+            let fx = FixedX::new(isa, &x, 1, cols, false).unwrap();
+            let view = RowsView::new(&p, fx.kp);
+            let sx = split::SplitX::new_bytes(fx.row(0), view.group);
+            let tiled = avx512::tile_bytes(&view, rows);
+            for first in (0..rows).step_by(16) {
+                let n = (rows - first).min(16);
+                let mut want = vec![0f32; n];
+                avx512::dot_rows(t, &view, first, fx.row(0), Some(&sx), &mut want);
+                let mut got = vec![f32::NAN; n];
+                assert!(avx512::byte_tile(
+                    t,
+                    &tiled.codes,
+                    &view,
+                    first,
+                    &sx,
+                    &mut got
+                ));
+                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{rows} x {cols}, row {}",
+                        first + k
+                    );
+                }
+            }
+            // and through `matmul`, which builds the layout on its first product
+            let alone = matmul(&x, 1, &p).unwrap();
+            let again = matmul(&x, 1, &p).unwrap();
+            assert_eq!(alone, again);
         }
     }
 
