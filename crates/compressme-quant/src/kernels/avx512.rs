@@ -323,8 +323,8 @@ unsafe fn byte_rows_loop<const M: usize, const FAR: bool>(
 }
 
 /// The bytes layout of an 8-bit per-row matrix (`rows` rows of `view.row_bytes` codes), a
-/// tile of 16 rows at a time, for [`byte_tile`]: for tile `t`, vector `v` (columns `64v..64v
-/// + 64`), lane `L` of the bytes layout (the four columns `64v + byte_source(4L + k)`, one
+/// tile of 16 rows at a time, for [`byte_tile`]: for tile `t`, vector `v` (the 64 columns
+/// from `64v`), lane `L` of the bytes layout (the four columns `64v + byte_source(4L + k)`, one
 /// class) and row `r` of the tile, those four codes biased to unsigned bytes (`c + 128`) at
 /// `((t · vectors + v) · 16 + L) · 64 + 4r`, `vectors` the row's bytes over 64 rounded up;
 /// 128 (a zero code) past a row's end and for rows past the matrix. Each 64-byte vector is
