@@ -200,8 +200,8 @@ impl Gptq {
 
 /// Writes an artifact of every tensor: modules named in `choices` as chosen, rounded by
 /// `rounding` (with `profile`'s channel statistics for [`Rounding::Aware`], `gptq`'s
-/// factors and its rounded weights for [`Rounding::Gptq`]), everything else dense; `metadata` lets the
-/// artifact run alone.
+/// factors and its rounded weights for [`Rounding::Gptq`]), everything else dense;
+/// `metadata` lets the artifact run alone.
 #[allow(clippy::too_many_arguments)] // one call site per benchmark, every argument distinct
 pub(crate) fn write_ours(
     path: &Path,

@@ -330,7 +330,7 @@ unsafe fn byte_rows_loop<const M: usize, const FAR: bool>(
 /// 128 (a zero code) past a row's end and for rows past the matrix. Each 64-byte vector is
 /// one class's four columns of each of 16 rows, a lane a row, met by four bytes of `x`
 /// broadcast: one stream in order, and no permutation a product (where [`byte_rows_imp`]
-/// reads sixteen streams and permutes every vector).
+/// reads four rows side by side and permutes every vector).
 pub(super) fn tile_bytes(view: &RowsView<'_>, rows: usize) -> crate::format::Tiled {
     let vectors = view.row_bytes.div_ceil(64);
     let span = vectors * 16 * 64;

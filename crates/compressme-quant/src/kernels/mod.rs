@@ -330,8 +330,8 @@ impl Activations {
 }
 
 /// Whether the kernels may build in-memory layouts of a matrix (today `rows8`'s tiled
-/// layout and `avx512::tile_bytes`', see [`Packed::layout_bytes`]): unless `COMPRESSME_REPACK` is `0` (read once a
-/// process).
+/// layout and `avx512::tile_bytes`', see [`Packed::layout_bytes`]): unless
+/// `COMPRESSME_REPACK` is `0` (read once a process).
 #[cfg(target_arch = "x86_64")]
 fn repack() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -1887,11 +1887,28 @@ mod tests {
                     );
                 }
             }
-            // and through `matmul`, which builds the layout on its first product
-            let alone = matmul(&x, 1, &p).unwrap();
-            let again = matmul(&x, 1, &p).unwrap();
-            assert_eq!(alone, again);
         }
+        // through `matmul`: a matrix of 4M weights gets the layout on its first product at
+        // batch 1 (where the tier splits `x` into bytes: not on Zen 4) and gives the AVX2
+        // tier's bits, the first product and the next
+        let (rows, cols) = (1024, 4096);
+        let w = crate::synthetic::matrix(crate::synthetic::MatrixKind::Outliers, rows, cols, 5);
+        let p = crate::quantize(&w, rows, cols, Format::Int8).unwrap();
+        let x = crate::synthetic::matrix(crate::synthetic::MatrixKind::StudentT, 1, cols, 6);
+        let want = matmul_with(Backend::Tier(Tier::Avx2), &x, 1, &p).unwrap();
+        for _ in 0..2 {
+            let got = matmul_with(Backend::Tier(Tier::Avx512Vnni), &x, 1, &p).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits())
+            );
+        }
+        assert_eq!(
+            p.layout_bytes() > 0,
+            repack() && !avx512::double_pumped(),
+            "the tiled layout is built where the tier splits x"
+        );
     }
 
     /// The output's transposition from `[rows, batch]` to `[batch, rows]` puts every value
