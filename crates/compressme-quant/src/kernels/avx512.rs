@@ -353,19 +353,7 @@ pub(super) fn tile_bytes(view: &RowsView<'_>, rows: usize) -> crate::format::Til
             }
         }
     };
-    // on the kernels' pool, runs of whole tiles, from 1 MB of codes (as `rows8::tile`)
-    let threads = super::pool::threads();
-    let per_run = tiles.div_ceil(4 * threads).max(1);
-    let runs: Vec<&mut [u8]> = codes.chunks_mut((per_run * span).max(1)).collect();
-    super::pool::each(
-        threads > 1 && tiles * span >= 1 << 20,
-        runs,
-        &|i, run: &mut [u8]| {
-            for (k, tile) in run.chunks_exact_mut(span.max(1)).enumerate() {
-                fill(i * per_run + k, tile);
-            }
-        },
-    );
+    super::rows8::fill_tiles(&mut codes, span, &fill);
     crate::format::Tiled {
         codes: codes.into_boxed_slice(),
         scales: None,

@@ -338,20 +338,7 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Ti
             }
         }
     };
-    // on the kernels' pool, runs of whole tiles, from 1 MB of codes (about 0.7 ms on one
-    // thread: 4096 x 4096 NF4-g64's 8.4 MB took about 6 ms)
-    let threads = super::pool::threads();
-    let per_run = tiles.div_ceil(4 * threads).max(1);
-    let runs: Vec<&mut [u8]> = codes.chunks_mut((per_run * span).max(1)).collect();
-    super::pool::each(
-        threads > 1 && tiles * span >= 1 << 20,
-        runs,
-        &|i, run: &mut [u8]| {
-            for (k, tile) in run.chunks_exact_mut(span.max(1)).enumerate() {
-                fill(i * per_run + k, tile);
-            }
-        },
-    );
+    fill_tiles(&mut codes, span, &fill);
     let (scales, mins) = match view.rule {
         ScaleRule::Groups { per_row, .. } => {
             let exact = |v: &f32| half::f16::from_f32(*v).to_f32().to_bits() == v.to_bits();
@@ -370,6 +357,26 @@ pub(super) fn tile(view: &RowsView<'_>, rows: usize, mins: Option<&[f32]>) -> Ti
         scales,
         mins,
     }
+}
+
+/// `codes`, whole tiles of `span` bytes, each filled by `fill(t, tile)`: on the kernels'
+/// pool, runs of whole tiles, from 1 MB of codes (about 0.7 ms on one thread: 4096 x 4096
+/// NF4-g64's 8.4 MB took about 6 ms). What [`tile`] and the 8-bit tiled layout
+/// (`avx512::tile_bytes`) build on.
+pub(super) fn fill_tiles(codes: &mut [u8], span: usize, fill: &(dyn Fn(usize, &mut [u8]) + Sync)) {
+    let tiles = codes.len() / span.max(1);
+    let threads = super::pool::threads();
+    let per_run = tiles.div_ceil(4 * threads).max(1);
+    let runs: Vec<&mut [u8]> = codes.chunks_mut((per_run * span).max(1)).collect();
+    super::pool::each(
+        threads > 1 && tiles * span >= 1 << 20,
+        runs,
+        &|i, run: &mut [u8]| {
+            for (k, tile) in run.chunks_exact_mut(span.max(1)).enumerate() {
+                fill(i * per_run + k, tile);
+            }
+        },
+    );
 }
 
 /// `all`, `rows` rows of `per_row` values, regrouped a tile at a time, a vector a group:
