@@ -13,8 +13,10 @@
 //! A `.gguf` file named `candle-FORMAT.gguf` (as the benchmark writes them) runs on
 //! candle's kernels in that format; every other file is one of our artifacts.
 
+mod common;
+
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use candle_core::Device;
@@ -25,31 +27,24 @@ const PROMPT_TOKENS: usize = 64;
 const NEW_TOKENS: usize = 128;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut rounds = 3usize;
-    let mut model = PathBuf::from("cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let mut text = PathBuf::from("cache/austen/persuasion.txt");
     let mut threads = vec![1usize, 2];
-    let mut files = Vec::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--rounds" => rounds = args.next().ok_or("--rounds needs a value")?.parse()?,
-            "--model" => model = args.next().ok_or("--model needs a value")?.into(),
-            "--text" => text = args.next().ok_or("--text needs a value")?.into(),
-            "--threads" => {
-                threads = args
-                    .next()
-                    .ok_or("--threads needs a value")?
-                    .split(',')
-                    .map(str::parse)
-                    .collect::<Result<_, _>>()?;
-            }
-            _ => files.push(PathBuf::from(a)),
+    let common::Args {
+        rounds,
+        model,
+        text,
+        files,
+    } = common::args(3, |flag, rest| {
+        if flag != "--threads" {
+            return Ok(false);
         }
-    }
-    if files.is_empty() {
-        return Err("name the variant files; the first is the one the ratios divide by".into());
-    }
+        threads = rest
+            .next()
+            .ok_or("--threads needs a value")?
+            .split(',')
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        Ok(true)
+    })?;
     let exe = std::env::current_exe()?
         .parent()
         .and_then(Path::parent)
@@ -131,17 +126,9 @@ fn probe(
     prompt: &[u32],
     threads: usize,
 ) -> Result<ProbeResult, Box<dyn std::error::Error>> {
-    let stem = file.file_stem().unwrap_or_default().to_string_lossy();
-    let candle = match (
-        file.extension().and_then(|e| e.to_str()),
-        stem.strip_prefix("candle-"),
-    ) {
-        (Some("gguf"), Some(format)) => Some(format.to_string()),
-        _ => None,
-    };
     let req = ProbeRequest {
         file: file.to_path_buf(),
-        candle,
+        candle: common::candle_name(file),
         window: Vec::new(),
         prompt: prompt.to_vec(),
         max_new: NEW_TOKENS,

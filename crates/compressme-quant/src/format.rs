@@ -296,9 +296,10 @@ pub struct Packed {
 #[derive(Clone, Default)]
 pub(crate) struct Layouts {
     /// A 4-bit format's codes (and group scales and minimums) a tile of 16 rows at a time,
-    /// for the AVX-512 kernel of batches of 1 to 7 (`kernels::rows8`); or an 8-bit per-row
-    /// format's codes a tile of 16 rows at a time in the class order, biased to unsigned
-    /// bytes, for the AVX-512 kernel of batch 1 (`kernels::avx512::tile_bytes`).
+    /// for the AVX-512 kernel of batches of 1 to 7 (`kernels::rows8`); or an 8-bit format's
+    /// codes (per row, or in groups of 64 or more) a tile of 16 rows at a time in the class
+    /// order, biased to unsigned bytes, for the AVX-512 kernel of batch 1
+    /// (`kernels::avx512::tile_bytes`).
     pub(crate) tiled: std::sync::OnceLock<Tiled>,
 }
 
@@ -1059,8 +1060,9 @@ impl Packed {
     /// to 7 copies its codes a tile of 16 rows at a time (one stream for the kernel to
     /// read instead of sixteen): as many bytes as the codes, plus a blockwise format's
     /// scales at their stored f16 width and `Int4Block`'s minimums as f32; likewise the
-    /// first product at batch 1 of a per-row INT8 matrix of 4M weights or more, where the
-    /// CPU has AVX-512 VBMI (its codes, rows rounded up to 64 bytes and to 16 rows);
+    /// first product at batch 1 of an INT8 matrix (per row, or in groups of 64 or more) of
+    /// 4M weights or more, where the CPU has AVX-512 VBMI (its codes, rows rounded up to 64
+    /// bytes and to 16 rows);
     /// `COMPRESSME_REPACK=0` turns it off. The outputs are the same bits either way.
     #[must_use]
     pub fn layout_bytes(&self) -> usize {

@@ -22,7 +22,7 @@
 //! into a caller's slice ([`matmul_into_using`] with chosen activations);
 //! [`reference::matmul`] is the exact definition they are held to, within [`error_bound`]
 //! (and [`error_bound_block8`] for 8-bit activations). On the AVX-512 tier a 4-bit matrix
-//! multiplied at batches of 1 to 7, and a large per-row INT8 matrix at batch 1, keeps a
+//! multiplied at batches of 1 to 7, and a large INT8 matrix at batch 1, keeps a
 //! second, tiled copy of its codes in memory, built on that first product for the kernel to read in order ([`Packed::layout_bytes`] counts
 //! it; `COMPRESSME_REPACK=0` turns it off; the outputs are the same bits).
 //!

@@ -35,7 +35,7 @@ use std::arch::x86_64::{
     __m256, __m256i, __m512, __m512i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm256_add_epi32,
     _mm256_broadcastsi128_si256, _mm256_castpd_ps, _mm256_cvtepi32_ps, _mm256_fmadd_ps,
     _mm256_maskz_loadu_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_sub_epi32, _mm512_add_epi32,
-    _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castpd_ps, _mm512_castps_pd,
+    _mm512_add_ps, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_castps_pd,
     _mm512_castps512_ps256, _mm512_castsi512_ps, _mm512_castsi512_si256, _mm512_cvtepi8_epi16,
     _mm512_cvtepi32_ps, _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_dpbusd_epi32,
     _mm512_dpwssd_epi32, _mm512_extractf64x4_pd, _mm512_extracti64x4_epi64, _mm512_fmadd_ps,
@@ -43,9 +43,8 @@ use std::arch::x86_64::{
     _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi32, _mm512_maskz_loadu_ps, _mm512_mul_ps,
     _mm512_permutexvar_epi8, _mm512_permutexvar_epi64, _mm512_set1_epi8, _mm512_set1_epi32,
     _mm512_set1_ps, _mm512_setr_epi64, _mm512_setzero_ps, _mm512_setzero_si512,
-    _mm512_shuffle_epi8, _mm512_shuffle_f32x4, _mm512_slli_epi32, _mm512_srli_epi16,
-    _mm512_storeu_ps, _mm512_sub_epi32, _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd,
-    _mm512_unpacklo_ps, _mm512_xor_si512,
+    _mm512_shuffle_epi8, _mm512_slli_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_xor_si512,
 };
 
 use super::avx2::{self, following, hsum};
@@ -393,27 +392,34 @@ pub(super) fn byte_tile(
     else {
         return false;
     };
-    // each group's scale for each of the 16 rows (0 past `out`, and past a row's groups)
-    let groups = (0..out.len())
-        .map(|k| view.scales_of(first + k).len())
+    // each row's scales (none past `out`), and the groups every row has
+    let scales: [RowScales<'_>; 16] = std::array::from_fn(|k| {
+        if k < out.len() {
+            view.scales_of(first + k)
+        } else {
+            RowScales::Row(0.0, 0)
+        }
+    });
+    let groups = scales
+        .iter()
+        .take(out.len())
+        .map(|s| s.len())
         .min()
         .unwrap_or(0);
-    let scales: Vec<[f32; 16]> = (0..groups)
-        .map(|g| {
-            std::array::from_fn(|k| {
-                if k < out.len() {
-                    view.scales_of(first + k).get(g)
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
     let _ = t;
     // SAFETY: the token proves the features; `codes` is `vectors` vectors of 16 lanes, and
     // `sx` holds `vectors · 64` bytes of each part and the corrections of every group the
     // rows reach (`covers`, checked above)
-    let sums = unsafe { byte_tile_imp(codes, sx, (view.group / 64).max(1), vectors, &scales) };
+    let sums = unsafe {
+        byte_tile_imp(
+            codes,
+            sx,
+            (view.group / 64).max(1),
+            vectors,
+            &scales,
+            groups,
+        )
+    };
     for (o, s) in out.iter_mut().zip(sums) {
         *o = s;
     }
@@ -425,14 +431,15 @@ const TILE8_AHEAD: usize = 2048;
 
 /// # Safety
 /// The token's features present; `codes` at least `vectors · 1024` bytes; `sx.xl` and
-/// `sx.xh` at least `vectors · 64`; `sx.corr` at least `8 · scales.len()`.
+/// `sx.xh` at least `vectors · 64`; `sx.corr` at least `8 · groups`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn byte_tile_imp(
     codes: &[u8],
     sx: &SplitX,
     per_group: usize,
     vectors: usize,
-    scales: &[[f32; 16]],
+    scales: &[RowScales<'_>; 16],
+    groups: usize,
 ) -> [f32; 16] {
     let zero = _mm512_setzero_si512();
     let mut f = [_mm512_setzero_ps(); 8];
@@ -465,7 +472,8 @@ unsafe fn byte_tile_imp(
             }
             v += 1;
         }
-        if let Some(s) = scales.get(g) {
+        if g < groups {
+            let s: [f32; 16] = std::array::from_fn(|k| scales[k].get(g));
             // SAFETY: 16 f32
             let sv = unsafe { _mm512_loadu_ps(s.as_ptr()) };
             for m in 0..8 {
@@ -907,81 +915,6 @@ unsafe fn add_dot_f32_columns_imp(a: &[f32], xt: &[f32], stride: usize, out: &mu
             }
         }
         c0 += if two { 32 } else { 16 };
-    }
-}
-
-/// A 16 x 16 transpose: lane `r` of vector `j` from lane `j` of vector `r`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(super) fn transpose_16(r: &[__m512; 16]) -> [__m512; 16] {
-    // (plain loops: closures here are not inlined into the caller's features)
-    let mut t = [_mm512_setzero_ps(); 16];
-    for i in 0..8 {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    // u[4i + e], 128-bit lane l: rows 4i..4i + 4, element 4l + e
-    let mut u = [_mm512_setzero_ps(); 16];
-    for i in 0..4 {
-        for h in 0..2 {
-            let a = _mm512_castps_pd(t[4 * i + h]);
-            let b = _mm512_castps_pd(t[4 * i + 2 + h]);
-            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    }
-    let mut out = [_mm512_setzero_ps(); 16];
-    for e in 0..4 {
-        let v0 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[e], u[4 + e]);
-        let v1 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[e], u[4 + e]);
-        let v2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + e], u[12 + e]);
-        let v3 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + e], u[12 + e]);
-        out[e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v0, v2);
-        out[4 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v0, v2);
-        out[8 + e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v1, v3);
-        out[12 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v1, v3);
-    }
-    out
-}
-
-/// `dst[j · dst_stride + i] = src[i · src_stride + j]` for `i, j < 16`: the 16 x 16 tile
-/// at the start of `src` transposed into the start of `dst`, sixteen vectors loaded and
-/// sixteen stored. `false`, with nothing written, where a tile reaches past its slice.
-pub(super) fn transpose_tile(
-    t: Token,
-    src: &[f32],
-    src_stride: usize,
-    dst: &mut [f32],
-    dst_stride: usize,
-) -> bool {
-    let fits = |len: usize, stride: usize| {
-        stride
-            .checked_mul(15)
-            .and_then(|last| last.checked_add(16))
-            .is_some_and(|end| end <= len)
-    };
-    if !fits(src.len(), src_stride) || !fits(dst.len(), dst_stride) {
-        return false;
-    }
-    let _ = t;
-    // SAFETY: the token proves the features; rows i < 16 of 16 values at i · stride are
-    // inside each slice (checked above)
-    unsafe { transpose_tile_imp(src, src_stride, dst, dst_stride) };
-    true
-}
-
-/// # Safety
-/// AVX-512 F present; `15 · src_stride + 16 <= src.len()` and the same for `dst`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn transpose_tile_imp(src: &[f32], src_stride: usize, dst: &mut [f32], dst_stride: usize) {
-    let mut r = [_mm512_setzero_ps(); 16];
-    for (i, v) in r.iter_mut().enumerate() {
-        // SAFETY: row i < 16 is inside `src` (caller)
-        *v = unsafe { _mm512_loadu_ps(src.as_ptr().add(i * src_stride)) };
-    }
-    for (j, v) in transpose_16(&r).into_iter().enumerate() {
-        // SAFETY: row j < 16 is inside `dst` (caller)
-        unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(j * dst_stride), v) };
     }
 }
 

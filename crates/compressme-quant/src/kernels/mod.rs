@@ -1128,15 +1128,14 @@ pub fn matmul_into_using(
     // [rows, batch] first: each task owns whole output rows
     let mut yt = vec![0f32; rows * batch];
     rows_of(&mut yt);
-    transpose_into(isa, &yt, rows, batch, y);
+    transpose_into(&yt, rows, batch, y);
     Ok(())
 }
 
-/// `yt` (`[rows, batch]`) into `y` (`[batch, rows]`), a tile of 16 x 16 at a time: whole
-/// tiles in vectors on the AVX-512 tiers, the others through a local buffer, so each read
-/// and each write is a contiguous run of up to 16 values; large outputs on the kernel
-/// pool's threads, a run of rows of `y` a piece.
-fn transpose_into(isa: Isa, yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
+/// `yt` (`[rows, batch]`) into `y` (`[batch, rows]`), a tile of 16 x 16 at a time through
+/// a local buffer, so each read and each write is a contiguous run of up to 16 values;
+/// large outputs on the kernel pool's threads, a run of rows of `y` a piece.
+fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
     const T: usize = 16;
     if rows == 0 || batch == 0 {
         return;
@@ -1151,20 +1150,6 @@ fn transpose_into(isa: Isa, yt: &[f32], rows: usize, batch: usize, y: &mut [f32]
             for (s, yb) in ys.chunks_mut(T * rows).enumerate() {
                 let b0 = p * per + s * T;
                 let nb = yb.len() / rows;
-                #[cfg(target_arch = "x86_64")]
-                if let Isa::Avx512(t) = isa
-                    && nb == T
-                    && src.len() == T * batch
-                    && avx512::transpose_tile(
-                        t,
-                        src.get(b0..).unwrap_or(&[]),
-                        batch,
-                        yb.get_mut(r0..).unwrap_or(&mut []),
-                        rows,
-                    )
-                {
-                    continue;
-                }
                 // read: a run of each of up to T rows of `yt`
                 let mut nr = 0;
                 for (row, col) in tile.iter_mut().zip(src.chunks_exact(batch)) {
@@ -1837,8 +1822,9 @@ mod tests {
         }
     }
 
-    /// INT8 per row at batch 1 read from the tiled layout (`avx512::byte_tile`) gives the
-    /// bits of the rows read as stored (`avx512::dot_rows`, the AVX-512 and AVX2 code), on
+    /// INT8 per row and in groups of 64 at batch 1, read from the tiled layout
+    /// (`avx512::byte_tile`), gives the bits of the rows read as stored
+    /// (`avx512::dot_rows`, the AVX-512 and AVX2 code), on
     /// rows with and without a partial last vector, groups that end inside a row, tiles
     /// that reach past the matrix, outlier weights and `x` at the ends of its 14 bits.
     #[test]
@@ -1852,10 +1838,14 @@ mod tests {
             return;
         };
         let isa = Isa::Avx512(t);
-        for (rows, cols, seed) in [(16, 64, 1), (33, 1008, 2), (40, 2112, 3), (17, 4096, 4)] {
+        let cases = [(16, 64, 1), (33, 1008, 2), (40, 2112, 3), (17, 4096, 4)];
+        for ((rows, cols, seed), format) in cases
+            .into_iter()
+            .flat_map(|c| [Format::Int8, Format::Int8Block(crate::GroupSize::G64)].map(|f| (c, f)))
+        {
             let w =
                 crate::synthetic::matrix(crate::synthetic::MatrixKind::Outliers, rows, cols, seed);
-            let p = crate::quantize(&w, rows, cols, Format::Int8).unwrap();
+            let p = crate::quantize(&w, rows, cols, format).unwrap();
             let mut x =
                 crate::synthetic::matrix(crate::synthetic::MatrixKind::StudentT, 1, cols, seed);
             // the row's extremes, so the 14-bit values reach both ends
@@ -1882,7 +1872,7 @@ mod tests {
                     assert_eq!(
                         g.to_bits(),
                         w.to_bits(),
-                        "{rows} x {cols}, row {}",
+                        "{format} {rows} x {cols}, row {}",
                         first + k
                     );
                 }
@@ -1912,42 +1902,29 @@ mod tests {
     }
 
     /// The output's transposition from `[rows, batch]` to `[batch, rows]` puts every value
-    /// in its place on every tier the CPU has (the AVX-512 tiers move whole 16 x 16 tiles
-    /// in vectors): shapes with and without whole tiles, and outputs large enough to be
-    /// shared over the pool; tiers the CPU lacks say so.
+    /// in its place: shapes with and without whole 16 x 16 tiles, and outputs large enough
+    /// to be shared over the pool.
     #[test]
-    fn the_output_transposition_puts_every_value_in_its_place_on_every_tier() {
-        for tier in [
-            Tier::Portable,
-            Tier::Avx2,
-            Tier::AvxVnni,
-            Tier::Avx512Vnni,
-            Tier::Avx512Amx,
+    fn the_output_transposition_puts_every_value_in_its_place() {
+        for (rows, batch) in [
+            (1, 1),
+            (16, 16),
+            (17, 15),
+            (33, 48),
+            (48, 33),
+            (576, 512),
+            (1000, 40),
         ] {
-            let Some(isa) = Isa::of(tier) else {
-                eprintln!("skipped: the transposition on {tier:?} (this CPU lacks it)");
-                continue;
-            };
-            for (rows, batch) in [
-                (1, 1),
-                (16, 16),
-                (17, 15),
-                (33, 48),
-                (48, 33),
-                (576, 512),
-                (1000, 40),
-            ] {
-                let yt: Vec<f32> = (0..rows * batch).map(|i| i as f32 + 0.5).collect();
-                let mut y = vec![f32::NAN; rows * batch];
-                transpose_into(isa, &yt, rows, batch, &mut y);
-                for r in 0..rows {
-                    for b in 0..batch {
-                        assert_eq!(
-                            y[b * rows + r].to_bits(),
-                            yt[r * batch + b].to_bits(),
-                            "{tier:?}, {rows} x {batch}: row {r}, batch row {b}"
-                        );
-                    }
+            let yt: Vec<f32> = (0..rows * batch).map(|i| i as f32 + 0.5).collect();
+            let mut y = vec![f32::NAN; rows * batch];
+            transpose_into(&yt, rows, batch, &mut y);
+            for r in 0..rows {
+                for b in 0..batch {
+                    assert_eq!(
+                        y[b * rows + r].to_bits(),
+                        yt[r * batch + b].to_bits(),
+                        "{rows} x {batch}: row {r}, batch row {b}"
+                    );
                 }
             }
         }

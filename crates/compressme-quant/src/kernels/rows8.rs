@@ -45,13 +45,14 @@ use std::arch::x86_64::{
     _mm256_shuffle_epi8, _mm256_shuffle_ps, _mm256_sign_epi8, _mm256_srli_epi16, _mm256_storeu_ps,
     _mm256_sub_epi32, _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpackhi_ps,
     _mm256_unpacklo_epi32, _mm256_unpacklo_epi64, _mm256_unpacklo_ps, _mm512_add_epi32,
-    _mm512_and_si512, _mm512_andnot_si512, _mm512_broadcast_i32x4, _mm512_cvtepi32_ps,
-    _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_permutexvar_epi8, _mm512_set1_epi8,
-    _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_setzero_si512,
-    _mm512_shuffle_epi8, _mm512_shuffle_i32x4, _mm512_srai_epi32, _mm512_srli_epi16,
-    _mm512_storeu_ps, _mm512_sub_epi32, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64,
-    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+    _mm512_and_si512, _mm512_andnot_si512, _mm512_broadcast_i32x4, _mm512_castpd_ps,
+    _mm512_castps_pd, _mm512_cvtepi32_ps, _mm512_cvtph_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps,
+    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_maskz_loadu_ps, _mm512_mul_ps,
+    _mm512_permutexvar_epi8, _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_shuffle_epi8, _mm512_shuffle_f32x4,
+    _mm512_shuffle_i32x4, _mm512_srai_epi32, _mm512_srli_epi16, _mm512_storeu_ps, _mm512_sub_epi32,
+    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64, _mm512_unpacklo_pd, _mm512_unpacklo_ps,
 };
 
 use super::tiles::{Kind, ROWS};
@@ -647,7 +648,7 @@ unsafe fn scales_512(s: &TileScales<'_>, g0: usize, groups: usize) -> [__m512; 1
                 // load reads only those lanes
                 *v = unsafe { _mm512_maskz_loadu_ps(mask, ptr) };
             }
-            let mut out = super::avx512::transpose_16(&r);
+            let mut out = transpose_16(&r);
             let kv = _mm512_set1_ps(*k);
             for v in &mut out {
                 *v = _mm512_mul_ps(*v, kv);
@@ -672,6 +673,40 @@ unsafe fn scales_512(s: &TileScales<'_>, g0: usize, groups: usize) -> [__m512; 1
             out
         }
     }
+}
+
+/// A 16 x 16 transpose: lane `r` of vector `j` from lane `j` of vector `r`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+fn transpose_16(r: &[__m512; 16]) -> [__m512; 16] {
+    // (plain loops: closures here are not inlined into the caller's features)
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + e], 128-bit lane l: rows 4i..4i + 4, element 4l + e
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        for h in 0..2 {
+            let a = _mm512_castps_pd(t[4 * i + h]);
+            let b = _mm512_castps_pd(t[4 * i + 2 + h]);
+            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    }
+    let mut out = [_mm512_setzero_ps(); 16];
+    for e in 0..4 {
+        let v0 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[e], u[4 + e]);
+        let v1 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[e], u[4 + e]);
+        let v2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + e], u[12 + e]);
+        let v3 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + e], u[12 + e]);
+        out[e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v0, v2);
+        out[4 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v0, v2);
+        out[8 + e] = _mm512_shuffle_f32x4::<0b10_00_10_00>(v1, v3);
+        out[12 + e] = _mm512_shuffle_f32x4::<0b11_01_11_01>(v1, v3);
+    }
+    out
 }
 
 /// Rows `8 · half..8 · half + 8`'s scales of groups `g0..g0 + 8`, as [`scales_512`].

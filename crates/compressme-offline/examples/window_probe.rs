@@ -6,7 +6,7 @@
 //! compared for speed and checked for the same bits.
 //!
 //! ```sh
-//! cargo build --release -p compressme-benches --example window_probe
+//! cargo build --release -p compressme-offline --example window_probe
 //! RAYON_NUM_THREADS=1 taskset -c 1 target/release/examples/window_probe --rounds 5 \
 //!     target/real/nf4-g64.cma target/real/budget-4.5.cma
 //! ```
@@ -14,7 +14,8 @@
 //! A `.gguf` file named `candle-FORMAT.gguf` (as the benchmark writes them) runs on
 //! candle's kernels in that format; every other file is one of our artifacts.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::time::Instant;
 
 use candle_core::Device;
@@ -24,22 +25,12 @@ const WINDOW: usize = 512;
 const STRIDE: usize = 256;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut rounds = 5usize;
-    let mut model = PathBuf::from("cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let mut text = PathBuf::from("cache/austen/persuasion.txt");
-    let mut files = Vec::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--rounds" => rounds = args.next().ok_or("--rounds needs a value")?.parse()?,
-            "--model" => model = args.next().ok_or("--model needs a value")?.into(),
-            "--text" => text = args.next().ok_or("--text needs a value")?.into(),
-            _ => files.push(PathBuf::from(a)),
-        }
-    }
-    if files.is_empty() {
-        return Err("name at least one variant file".into());
-    }
+    let common::Args {
+        rounds,
+        model,
+        text,
+        files,
+    } = common::args(5, |_, _| Ok(false))?;
     let lm = LanguageModel::open(&model, &Device::Cpu)?;
     let ids = lm.encode(&std::fs::read_to_string(&text)?)?;
     let window = |k: usize| -> Result<&[u32], Box<dyn std::error::Error>> {
@@ -47,19 +38,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ids.get(at..at + WINDOW)
             .ok_or_else(|| format!("{} has too few tokens", text.display()).into())
     };
-    let candle_of = |f: &Path| -> Result<Option<_>, Box<dyn std::error::Error>> {
-        let name = f.file_stem().and_then(|s| s.to_str()).unwrap_or("");
-        match (
-            f.extension().and_then(|e| e.to_str()),
-            name.strip_prefix("candle-"),
-        ) {
-            (Some("gguf"), Some(fmt)) => Ok(Some(compressme_offline::candle_format(fmt)?)),
-            _ => Ok(None),
-        }
-    };
     let mut models = Vec::new();
     for f in &files {
-        let m = compressme_offline::load_variant(f, candle_of(f)?)?;
+        let candle = common::candle_name(f)
+            .map(|n| compressme_offline::candle_format(&n))
+            .transpose()?;
+        let m = compressme_offline::load_variant(f, candle)?;
         m.logit_rows_at(window(0)?, STRIDE..WINDOW)?;
         models.push(m);
     }
