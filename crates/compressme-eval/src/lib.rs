@@ -122,6 +122,10 @@ pub struct Scored {
     /// exponentials again; the results are the same bits either way).
     #[serde(skip)]
     pub probabilities: Vec<Vec<f64>>,
+    /// Per target, the most likely token of its kept distribution (the last of equals in
+    /// `f64::total_cmp`'s order): empty unless [`Scored::with_probabilities`] made it.
+    #[serde(skip)]
+    pub argmaxes: Vec<usize>,
 }
 
 impl Scored {
@@ -154,8 +158,36 @@ impl Scored {
             .par_iter()
             .map(|d| d.iter().map(|&v| f64::from(v).exp()).collect())
             .collect();
+        self.argmaxes = self.distributions.par_iter().map(|d| argmax(d)).collect();
         self
     }
+}
+
+/// The index of the largest of `v` in `f64::total_cmp`'s order, the last of equals (0 for
+/// none): what `v.iter().enumerate().max_by(total_cmp)` gives, in two passes that need no
+/// branch a value (the order's keys, their maximum in eight running maxima, then the
+/// last index of that key), for the vocabulary-long rows each target takes twice.
+fn argmax<T: Copy + Into<f64>>(v: &[T]) -> usize {
+    // total_cmp's own key: the bits as i64, the magnitude bits flipped when negative
+    let key = |x: T| {
+        let b = x.into().to_bits().cast_signed();
+        b ^ ((b >> 63).cast_unsigned() >> 1).cast_signed()
+    };
+    let mut m = [i64::MIN; 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &x) in m.iter_mut().zip(c) {
+            *m = (*m).max(key(x));
+        }
+    }
+    let top = chunks
+        .remainder()
+        .iter()
+        .map(|&x| key(x))
+        .chain(m)
+        .max()
+        .unwrap_or(i64::MIN);
+    v.iter().rposition(|&x| key(x) == top).unwrap_or(0)
 }
 
 fn log_softmax(logits: &[f32]) -> Vec<f64> {
@@ -204,6 +236,7 @@ pub fn score_documents(
         tokens,
         distributions,
         probabilities: Vec::new(),
+        argmaxes: Vec::new(),
     })
 }
 
@@ -368,7 +401,7 @@ pub fn score_pair(
                     value: vlp,
                 });
             }
-            Ok((vlp, TargetShift::new(lp_ref, None, &lq, target)))
+            Ok((vlp, TargetShift::new(lp_ref, None, None, &lq, target)))
         },
         |t, (vlp, shift)| {
             acc.push(shift);
@@ -385,11 +418,13 @@ pub fn score_pair(
             tokens: rt,
             distributions: Vec::new(),
             probabilities: Vec::new(),
+            argmaxes: Vec::new(),
         },
         variant: Scored {
             tokens: vt,
             distributions: Vec::new(),
             probabilities: Vec::new(),
+            argmaxes: Vec::new(),
         },
         shift: acc.finish(),
     })
@@ -436,9 +471,14 @@ pub fn score_against(
                 .probabilities
                 .get(k)
                 .filter(|e| e.len() == p.len());
+            let top = reference
+                .argmaxes
+                .get(k)
+                .filter(|_| reference.argmaxes.len() == reference.distributions.len());
             Ok(TargetShift::new(
                 p,
                 exp.map(Vec::as_slice),
+                top.copied(),
                 lq,
                 t.target as usize,
             ))
@@ -461,6 +501,7 @@ pub fn score_against(
             tokens,
             distributions: Vec::new(),
             probabilities: Vec::new(),
+            argmaxes: Vec::new(),
         },
         acc.finish(),
     ))
@@ -484,20 +525,16 @@ struct TargetShift {
 
 impl TargetShift {
     /// A target's KL, top-1 agreement and change in the target's probability, from the
-    /// log-probabilities of the reference `p` and the variant `q`; `p_exp`, where given,
-    /// holds `exp` of each of `p` (taken from it instead of worked out: the same bits).
+    /// log-probabilities of the reference `p` and the variant `q`; `p_exp` and `p_argmax`,
+    /// where given, hold `exp` of each of `p` and [`argmax`] of `p` (taken from them
+    /// instead of worked out: the same bits).
     fn new<P: Copy + Into<f64>, Q: Copy + Into<f64>>(
         p: &[P],
         p_exp: Option<&[f64]>,
+        p_argmax: Option<usize>,
         q: &[Q],
         target: usize,
     ) -> Self {
-        fn argmax<T: Copy + Into<f64>>(v: &[T]) -> usize {
-            v.iter()
-                .enumerate()
-                .max_by(|a, b| (*a.1).into().total_cmp(&(*b.1).into()))
-                .map_or(0, |(i, _)| i)
-        }
         let kl: f64 = match p_exp {
             Some(e) => p
                 .iter()
@@ -524,7 +561,7 @@ impl TargetShift {
         };
         Self {
             kl,
-            agree: argmax(p) == argmax(q),
+            agree: p_argmax.unwrap_or_else(|| argmax(p)) == argmax(q),
             dp: prob(q.get(target).map(|&x| x.into())) - p_target,
         }
     }
@@ -613,7 +650,7 @@ pub fn shift(reference: &Scored, variant: &Scored) -> Result<Shift> {
         .zip(&variant.distributions)
         .zip(&reference.tokens)
     {
-        acc.push(TargetShift::new(p, None, q, t.target as usize));
+        acc.push(TargetShift::new(p, None, None, q, t.target as usize));
     }
     Ok(acc.finish())
 }
@@ -904,4 +941,58 @@ pub fn embedding_agreement(
         cosine_min: cos.iter().copied().fold(f64::INFINITY, f64::min),
         retrieval_top1_agreement: agree as f64 / n as f64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax;
+
+    /// The definition `argmax` replaces.
+    fn by_max_by<T: Copy + Into<f64>>(v: &[T]) -> usize {
+        v.iter()
+            .enumerate()
+            .max_by(|a, b| (*a.1).into().total_cmp(&(*b.1).into()))
+            .map_or(0, |(i, _)| i)
+    }
+
+    #[test]
+    fn argmax_is_max_by_total_cmp_with_ties_zeros_and_nans() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let specials = [
+            0.0f32,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-45,
+            -3.5,
+            2.0,
+        ];
+        for case in 0..2000 {
+            let len = (next() % 40) as usize + usize::from(case % 7 == 0) * 49_152;
+            let v: Vec<f32> = (0..len)
+                .map(|_| match next() % 10 {
+                    // few distinct values: ties everywhere
+                    0..=2 => specials[(next() % 10) as usize],
+                    3..=5 => ((next() % 5) as f32) - 2.0,
+                    _ => f32::from_bits(next() as u32),
+                })
+                .collect();
+            assert_eq!(argmax(&v), by_max_by(&v), "case {case}: {v:?}");
+            let w: Vec<f64> = v.iter().map(|&x| f64::from(x) * 0.5).collect();
+            assert_eq!(argmax(&w), by_max_by(&w), "case {case}");
+        }
+        assert_eq!(argmax::<f32>(&[]), 0);
+        assert_eq!(argmax(&[1.0f32, 3.0, 3.0, -0.0]), 2);
+        assert_eq!(argmax(&[0.0f32, -0.0]), 0);
+        assert_eq!(argmax(&[-0.0f32, 0.0, -0.0]), 1);
+    }
 }

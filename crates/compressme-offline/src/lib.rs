@@ -103,6 +103,9 @@ pub enum Error {
     /// A configuration that cannot run.
     #[error("configuration: {0}")]
     Config(String),
+    /// Two runs of one variant that must give the same bits did not.
+    #[error("not the same bits: {0}")]
+    Mismatch(String),
 }
 
 /// Result alias for this crate.

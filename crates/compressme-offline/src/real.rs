@@ -62,6 +62,12 @@ pub struct RealConfig {
     pub timing_reps: usize,
     /// Thread counts timed.
     pub timing_threads: Vec<usize>,
+    /// The thread count (one of `timing_threads`) of the first round's child that also
+    /// runs the evaluation's first window: the memory peak, and the check that a fresh
+    /// load gives the logits scored. 0 (reports from before this field): the first of
+    /// `timing_threads`.
+    #[serde(default)]
+    pub window_threads: usize,
     /// Rows a lossless block.
     pub block_rows: usize,
     /// Tokens (the calibration text's first) on which each linear's sensitivity is
@@ -89,6 +95,25 @@ pub struct RealConfig {
     /// this field): the plans use activation-aware scales.
     #[serde(default)]
     pub gptq_damp: Option<f64>,
+}
+
+impl RealConfig {
+    /// The index in `timing_threads` of the child that runs the window.
+    fn window_child(&self) -> usize {
+        self.timing_threads
+            .iter()
+            .position(|&t| t == self.window_threads)
+            .unwrap_or(0)
+    }
+
+    /// The thread count of the child that runs the window.
+    #[must_use]
+    pub fn window_threads(&self) -> usize {
+        self.timing_threads
+            .get(self.window_child())
+            .copied()
+            .unwrap_or(1)
+    }
 }
 
 fn yes() -> bool {
@@ -128,6 +153,7 @@ impl Default for RealConfig {
             generate_tokens: 128,
             timing_reps: 3,
             timing_threads: vec![1, 2],
+            window_threads: 2,
             block_rows: 16,
             sensitivity_tokens: 512,
             sensitivity_format: "nf4-g64".into(),
@@ -168,6 +194,10 @@ pub struct ProbeResult {
     pub peak_rss_bytes: Option<u64>,
     /// The window's forward pass, seconds (0 when there was none).
     pub window_seconds: f64,
+    /// SHA-256 of the window's logits (every value's bits, little-endian, row after
+    /// row), when there was one.
+    #[serde(default)]
+    pub window_sha256: Option<String>,
     /// The generation, seconds.
     pub generate_seconds: f64,
     /// Tokens it produced.
@@ -210,12 +240,18 @@ pub fn load_variant(file: &Path, candle: Option<LlamaFormat>) -> Result<Decoder>
     }
 }
 
-/// Whether two sets of rows of logits are the same bits.
-fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            x.len() == y.len() && x.iter().zip(y).all(|(u, v)| u.to_bits() == v.to_bits())
-        })
+/// SHA-256 of rows of logits: every value's bits, little-endian, row after row (the
+/// rows are of one length, the vocabulary's).
+fn logits_sha256(rows: &[Vec<f32>]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut bytes = Vec::new();
+    for row in rows {
+        bytes.clear();
+        bytes.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+        h.update(&bytes);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Parses a candle format name (`q8_0`, `q6_k`, `q4_k`, `q4_0`, `q4_1`, `q5_0`).
@@ -244,15 +280,18 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
     let model = load_variant(&req.file, candle)?;
     let load_seconds = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    if !req.window.is_empty() {
-        // the rows the first window of an evaluation asks for: all but the last
-        model.logits(&req.window, 0..req.window.len() - 1)?;
-    }
-    let window_seconds = if req.window.is_empty() {
-        0.0
-    } else {
-        t.elapsed().as_secs_f64()
+    // the rows the first window of an evaluation asks for: all but the last
+    let logits = match req.window.len() {
+        0 => None,
+        n => Some(model.logits(&req.window, 0..n - 1)?),
     };
+    let window_seconds = if logits.is_some() {
+        t.elapsed().as_secs_f64()
+    } else {
+        0.0
+    };
+    // the digest after the timing, and the logits dropped before the generation
+    let window_sha256 = logits.map(|l| logits_sha256(&l));
     let t = Instant::now();
     let generated = model.generate_tokens(&req.prompt, req.max_new)? as u64;
     let generate_seconds = t.elapsed().as_secs_f64();
@@ -262,6 +301,7 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
         baseline_rss_bytes,
         peak_rss_bytes: compressme_eval::peak_rss_bytes(),
         window_seconds,
+        window_sha256,
         generate_seconds,
         generated,
     })
@@ -317,6 +357,17 @@ pub fn measure_decoder_sensitivity(
     Ok(())
 }
 
+/// One variant stored, reloaded and scored.
+struct Done {
+    variant: Variant,
+    file: PathBuf,
+    candle: Option<LlamaFormat>,
+    /// The reference's scores with their distributions (the reference only).
+    kept: Option<Scored>,
+    /// SHA-256 of the logits of the evaluation's first window, as scored.
+    first_sha256: Option<String>,
+}
+
 fn read_text(path: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(io(Path::new(path)))
 }
@@ -328,6 +379,8 @@ fn check(cfg: &RealConfig) -> Result<Vec<Format>> {
         Some("calibration_windows must be positive and eval_tokens at least 2".into())
     } else if cfg.timing_reps == 0 || cfg.timing_threads.is_empty() {
         Some("timing_reps and timing_threads must not be empty".into())
+    } else if cfg.window_threads != 0 && !cfg.timing_threads.contains(&cfg.window_threads) {
+        Some("window_threads must be one of timing_threads".into())
     } else if cfg.prompt_tokens == 0 || cfg.prompt_tokens > cfg.eval_tokens {
         Some("prompt_tokens must be positive and at most eval_tokens".into())
     } else if cfg.gptq_damp.is_some_and(|d| !(d.is_finite() && d >= 0.0)) {
@@ -732,12 +785,11 @@ pub fn run_real(
         stride: cfg.stride,
     };
     let docs = vec![eval_ids.clone()];
+    // the evaluation's first window, which each variant's first timing child runs again
+    let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
     // one variant: store, reload, score (against `reference`, or as the reference with
     // its distributions); `note` gets its line
-    let one = |p: &Planned,
-               reference: Option<&Scored>,
-               note: &dyn Fn(&str)|
-     -> Result<(Variant, PathBuf, Option<LlamaFormat>, Option<Scored>)> {
+    let one = |p: &Planned, reference: Option<&Scored>, note: &dyn Fn(&str)| -> Result<Done> {
         let t_variant = Instant::now();
         let (file, file_bytes, candle) = match &p.spec {
             Spec::Ours {
@@ -776,8 +828,8 @@ pub fn run_real(
         let t_load = Instant::now();
         let model = load_variant(&file, candle)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
-        // candle's Q5_0 and unrepacked Q8_0 linears scored on the replica of its kernels,
-        // checked on the first window against candle's own; the timing runs candle's own
+        // candle's Q5_0 and unrepacked Q8_0 linears scored on the replica of its kernels;
+        // the timing runs candle's own, and its first child checks the replica's bits
         let replica = match candle {
             Some(_) => {
                 // the clone shares the loaded tensors; only its linears' weights change
@@ -788,21 +840,20 @@ pub fn run_real(
             None => None,
         };
         progress.inc(1);
-        let checked = std::cell::Cell::new(false);
+        // the first window's logits as scored, which the variant's first timing child
+        // (loading the file afresh; candle's own kernels for candle's variants) must give
+        let first = std::cell::OnceCell::new();
         let logits = |ids: &[u32], rows: Rows| -> std::result::Result<Vec<Vec<f32>>, String> {
-            let Some((fast, _)) = &replica else {
-                return model.logits(ids, rows).map_err(|e| e.to_string());
-            };
-            let got = fast.logits(ids, rows.clone()).map_err(|e| e.to_string())?;
-            if !checked.get() {
-                let want = model.logits(ids, rows).map_err(|e| e.to_string())?;
-                if !same_bits(&got, &want) {
+            let m = replica.as_ref().map_or(&model, |(fast, _)| fast);
+            let got = m.logits(ids, rows.clone()).map_err(|e| e.to_string())?;
+            if first.get().is_none() {
+                if ids != first_window.as_slice() || rows != (0..ids.len().saturating_sub(1)) {
                     return Err(format!(
-                        "{}: the replica's logits are not candle's on the first window",
+                        "{}: the evaluation's first window is not the one the timing child runs",
                         p.name
                     ));
                 }
-                checked.set(true);
+                first.get_or_init(|| logits_sha256(&got));
             }
             Ok(got)
         };
@@ -831,7 +882,7 @@ pub fn run_real(
             sh.kl_mean,
             sh.top1_agreement,
             if replicated > 0 {
-                format!(" ({replicated} linears on the replica, checked)")
+                format!(" ({replicated} linears on the replica)")
             } else {
                 String::new()
             },
@@ -855,7 +906,13 @@ pub fn run_real(
             peak_rss_bytes: None,
             baseline_rss_bytes: None,
         };
-        Ok((variant, file, candle, kept))
+        Ok(Done {
+            variant,
+            file,
+            candle,
+            kept,
+            first_sha256: first.into_inner(),
+        })
     };
     // the reference first, on every core: the others are scored against its
     // distributions
@@ -864,12 +921,13 @@ pub fn run_real(
         .filter(|(p, _)| p.name == "f32")
         .ok_or_else(|| Error::Config("the variants do not start with the f32 reference".into()))?;
     progress.stage(&reference_plan.name, 3);
-    let (v, file, candle, kept) = one(reference_plan, None, &|line| progress.done(line))?;
+    let mut done = vec![one(reference_plan, None, &|line| progress.done(line))?];
     // each variant's KL reads the reference's probabilities instead of taking them again
-    let reference = kept
+    let reference = done
+        .first_mut()
+        .and_then(|d| d.kept.take())
         .ok_or_else(|| Error::Config("the reference kept no scores".into()))?
         .with_probabilities();
-    let (mut variants, mut files) = (vec![v], vec![(file, candle)]);
     // the rest side by side, a lane a core, each on one thread (the same bits as on all
     // of them; candle's quantized kernels keep their own pool, one caller at a time)
     let lanes = candle_core::utils::get_num_threads();
@@ -878,8 +936,17 @@ pub fn run_real(
         3 * others.len() as u64,
     );
     let t_others = Instant::now();
-    let done = compressme_quant::in_lanes(
-        others,
+    // candle's first: scored on the replica they take longest, and a lane that takes one
+    // last would leave the other core idle meanwhile
+    let mut order: Vec<usize> = (0..others.len()).collect();
+    order.sort_by_key(|&i| {
+        others
+            .get(i)
+            .is_none_or(|p| !matches!(p.spec, Spec::Candle(_)))
+    });
+    let ordered: Vec<&Planned> = order.iter().filter_map(|&i| others.get(i)).collect();
+    let scored = compressme_quant::in_lanes(
+        &ordered,
         lanes,
         || Ok(()),
         |(), p| one(p, Some(&reference), &|line| progress.note(line)),
@@ -889,9 +956,18 @@ pub fn run_real(
         others.len(),
         t_others.elapsed().as_secs_f64()
     ));
-    for (v, file, candle, _) in done {
-        variants.push(v);
-        files.push((file, candle));
+    let mut slots: Vec<Option<Done>> = (0..others.len()).map(|_| None).collect();
+    for (i, d) in order.into_iter().zip(scored) {
+        if let Some(slot) = slots.get_mut(i) {
+            *slot = Some(d);
+        }
+    }
+    done.extend(slots.into_iter().flatten());
+    let (mut variants, mut files, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
+    for d in done {
+        variants.push(d.variant);
+        files.push((d.file, d.candle));
+        firsts.push(d.first_sha256);
     }
     let targets = reference.tokens.len();
     drop(reference);
@@ -899,13 +975,14 @@ pub fn run_real(
     // memory and speed, each variant but the shuffled controls (quality controls: the
     // formats of their plan on other modules) in child processes, in interleaved rounds
     let prompt: Vec<u32> = eval_ids.iter().take(cfg.prompt_tokens).copied().collect();
-    let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
     let timed: Vec<usize> = variants
         .iter()
         .enumerate()
         .filter(|(_, v)| !v.control)
         .map(|(i, _)| i)
         .collect();
+    // the window (for the memory peak and the bits) runs in one child of the first round
+    let window_child = cfg.window_child();
     let n = timed.len() * cfg.timing_threads.len();
     progress.stage("timing", (n * cfg.timing_reps) as u64);
     let t_timing = Instant::now();
@@ -917,7 +994,7 @@ pub fn run_real(
                 continue;
             };
             for (j, &threads) in cfg.timing_threads.iter().enumerate() {
-                let first = round == 0 && j == 0;
+                let first = round == 0 && j == window_child;
                 let req = ProbeRequest {
                     file: file.clone(),
                     candle: candle.map(|f| f.name().to_string()),
@@ -930,6 +1007,18 @@ pub fn run_real(
                     max_new: cfg.generate_tokens,
                 };
                 let r = probe.probe(&req, threads)?;
+                if first && r.window_sha256 != firsts.get(i).cloned().flatten() {
+                    return Err(Error::Mismatch(format!(
+                        "{}: the logits of the evaluation's first window, run again in a child \
+                         process{}, are not those scored",
+                        file.display(),
+                        if candle.is_some() {
+                            " on candle's own kernels (scored on the replica)"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
                 if first && let Some(v) = variants.get_mut(i) {
                     v.peak_rss_bytes = r.peak_rss_bytes;
                     v.baseline_rss_bytes = r.baseline_rss_bytes;
@@ -1064,4 +1153,30 @@ pub fn run_real(
         artifact_version,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::logits_sha256;
+
+    #[test]
+    fn the_logits_digest_sees_every_bit_and_the_row_order() {
+        let rows = vec![vec![1.0f32, -0.0, f32::NAN], vec![2.5, 1e-40, 3.0]];
+        let d = logits_sha256(&rows);
+        assert_eq!(d.len(), 64);
+        assert_eq!(d, logits_sha256(&rows.clone()));
+        // a signed zero, a NaN payload, a subnormal's last bit, the rows swapped
+        let changed = [
+            (0, 1, 0.0f32),
+            (0, 2, f32::from_bits(f32::NAN.to_bits() | 1)),
+            (1, 1, f32::from_bits(1e-40f32.to_bits() ^ 1)),
+        ];
+        for (r, c, v) in changed {
+            let mut other = rows.clone();
+            other[r][c] = v;
+            assert_ne!(logits_sha256(&other), d, "row {r}, column {c}");
+        }
+        let swapped = vec![rows[1].clone(), rows[0].clone()];
+        assert_ne!(logits_sha256(&swapped), d);
+    }
 }

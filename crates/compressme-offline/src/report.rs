@@ -398,7 +398,7 @@ fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
         c.prompt_tokens,
         c.timing_reps,
         c.window,
-        c.timing_threads.first().copied().unwrap_or(1),
+        c.window_threads(),
     );
     s
 }
