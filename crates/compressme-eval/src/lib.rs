@@ -217,12 +217,66 @@ pub fn score_documents(
     keep_distributions: bool,
     mut logits: impl FnMut(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String>,
 ) -> Result<Scored> {
+    score_windows(
+        docs,
+        window,
+        keep_distributions,
+        1,
+        one_at_a_time(|ids, rows| logits(ids, rows).map(|out| (out, ()))),
+    )
+}
+
+/// [`score_documents`] with `lanes` windows' logits worked out side by side, each on one
+/// thread (`compressme_quant::in_lanes`): for a model whose products scale worse on the
+/// cores than whole windows do. The same results, bit for bit, when `logits` gives the
+/// same bits on any thread.
+///
+/// # Errors
+/// As [`score_documents`].
+pub fn score_documents_in_lanes(
+    docs: &[Vec<u32>],
+    window: Window,
+    keep_distributions: bool,
+    lanes: usize,
+    logits: impl Fn(&[u32], Rows) -> std::result::Result<Vec<Vec<f32>>, String> + Sync,
+) -> Result<Scored> {
+    score_windows(docs, window, keep_distributions, lanes, |windows| {
+        // a window's failure is its result, so every lane's run is `Ok`
+        let run = |_: &mut (), (ids, rows): &(&[u32], Rows)| -> std::result::Result<_, ()> {
+            Ok(logits(ids, rows.clone()).map(|out| (out, ())))
+        };
+        compressme_quant::in_lanes(windows, lanes, || Ok(()), run).unwrap_or_default()
+    })
+}
+
+/// `f` a window at a time, as [`for_each_target`] takes its windows.
+#[allow(clippy::type_complexity)]
+fn one_at_a_time<X>(
+    mut f: impl FnMut(&[u32], Rows) -> std::result::Result<(Vec<Vec<f32>>, X), String>,
+) -> impl FnMut(&[(&[u32], Rows)]) -> Vec<std::result::Result<(Vec<Vec<f32>>, X), String>> {
+    move |windows| {
+        windows
+            .iter()
+            .map(|(ids, rows)| f(ids, rows.clone()))
+            .collect()
+    }
+}
+
+/// [`score_documents`], `group` windows a call of `run`.
+fn score_windows(
+    docs: &[Vec<u32>],
+    window: Window,
+    keep_distributions: bool,
+    group: usize,
+    run: impl FnMut(&[(&[u32], Rows)]) -> Vec<std::result::Result<(Vec<Vec<f32>>, ()), String>>,
+) -> Result<Scored> {
     let mut tokens = Vec::new();
     let mut distributions = Vec::new();
     for_each_target(
         docs,
         window,
-        |ids, rows| logits(ids, rows).map(|out| (out, ())),
+        group,
+        run,
         |_, _, lp, _, ()| {
             Ok(keep_distributions.then(|| lp.iter().map(|&v| v as f32).collect::<Vec<f32>>()))
         },
@@ -252,37 +306,42 @@ const SCORE_CHUNK: usize = 16;
 /// log-softmaxes and `prepare` run on rayon's threads, [`SCORE_CHUNK`] targets at a time;
 /// `take` runs on the caller's thread, in the targets' order, and the first error in that
 /// order is returned: the results do not depend on the thread count.
-fn for_each_target<X: Sync, P: Send>(
+fn for_each_target<X: Sync + Send, P: Send>(
     docs: &[Vec<u32>],
     window: Window,
-    mut run: impl FnMut(&[u32], Rows) -> std::result::Result<(Vec<Vec<f32>>, X), String>,
+    group: usize,
+    mut run: impl FnMut(&[(&[u32], Rows)]) -> Vec<std::result::Result<(Vec<Vec<f32>>, X), String>>,
     prepare: impl Fn(usize, &TokenScore, &[f64], usize, &X) -> Result<P> + Sync,
     mut take: impl FnMut(TokenScore, P) -> Result<()>,
 ) -> Result<()> {
     use rayon::prelude::*;
-    // windows overlap by at least one token (see `Window::step`): a window's first token
-    // is predicted by the window before it
-    if window.len < 2 || window.stride == 0 {
-        return Err(Error::Invalid(format!(
-            "window of {} tokens with stride {}: need len >= 2 and stride >= 1",
-            window.len, window.stride
-        )));
-    }
+    let spans = spans(docs, window)?;
     let mut k = 0;
-    for (d, doc) in docs.iter().enumerate() {
-        let n = doc.len();
-        let mut counted = 1; // the next target position not yet scored
-        let mut start = 0;
-        while counted < n {
-            let end = (start + window.len).min(n);
-            let ids = doc.get(start..end).unwrap_or(&[]);
-            // the targets this window scores, and the rows that predict them (row `i`
-            // predicts position `start + i + 1`); the rows before are context only
-            let scored = counted.max(start + 1);
-            let positions: Vec<usize> = (scored..end).collect();
-            let first = scored - 1 - start;
-            let rows = first..first + positions.len();
-            let (out, extra) = run(ids, rows.clone()).map_err(|message| Error::Model {
+    for group in spans.chunks(group.max(1)) {
+        let windows: Vec<(&[u32], Rows)> = group
+            .iter()
+            .map(|s| {
+                let ids = docs
+                    .get(s.d)
+                    .and_then(|doc| doc.get(s.start..s.end))
+                    .unwrap_or(&[]);
+                (ids, s.first..s.first + s.positions.len())
+            })
+            .collect();
+        let outs = run(&windows);
+        if outs.len() != group.len() {
+            return Err(Error::Invalid(format!(
+                "{} windows' logits where {} were asked for",
+                outs.len(),
+                group.len()
+            )));
+        }
+        for ((span, (ids, rows)), out) in group.iter().zip(&windows).zip(outs) {
+            let &Span {
+                d, start, first, ..
+            } = span;
+            let doc = docs.get(d).map_or(&[][..], Vec::as_slice);
+            let (out, extra) = out.map_err(|message| Error::Model {
                 doc: d,
                 start,
                 message,
@@ -296,7 +355,7 @@ fn for_each_target<X: Sync, P: Send>(
                     ids.len()
                 )));
             }
-            for chunk in positions.chunks(SCORE_CHUNK) {
+            for chunk in span.positions.chunks(SCORE_CHUNK) {
                 let k0 = k;
                 let one = |(i, &position): (usize, &usize)| -> Result<(TokenScore, P)> {
                     let row = position - 1 - start - first;
@@ -338,6 +397,47 @@ fn for_each_target<X: Sync, P: Send>(
                     k += 1;
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// One window of [`for_each_target`]: document `d`'s tokens `start..end`, whose rows from
+/// `first` on predict the targets at `positions` (row `i` predicts position
+/// `start + i + 1`; the rows before are context only).
+struct Span {
+    d: usize,
+    start: usize,
+    end: usize,
+    first: usize,
+    positions: Vec<usize>,
+}
+
+/// The windows [`for_each_target`] runs, in order.
+fn spans(docs: &[Vec<u32>], window: Window) -> Result<Vec<Span>> {
+    // windows overlap by at least one token (see `Window::step`): a window's first token
+    // is predicted by the window before it
+    if window.len < 2 || window.stride == 0 {
+        return Err(Error::Invalid(format!(
+            "window of {} tokens with stride {}: need len >= 2 and stride >= 1",
+            window.len, window.stride
+        )));
+    }
+    let mut spans = Vec::new();
+    for (d, doc) in docs.iter().enumerate() {
+        let n = doc.len();
+        let mut counted = 1; // the next target position not yet scored
+        let mut start = 0;
+        while counted < n {
+            let end = (start + window.len).min(n);
+            let scored = counted.max(start + 1);
+            spans.push(Span {
+                d,
+                start,
+                end,
+                first: scored - 1 - start,
+                positions: (scored..end).collect(),
+            });
             counted = end;
             if end == n {
                 break;
@@ -345,7 +445,7 @@ fn for_each_target<X: Sync, P: Send>(
             start += window.step();
         }
     }
-    Ok(())
+    Ok(spans)
 }
 
 /// A variant and its reference scored on the same windows, and the shift between them.
@@ -378,7 +478,8 @@ pub fn score_pair(
     for_each_target(
         docs,
         window,
-        |ids, rows| Ok((reference(ids, rows.clone())?, variant(ids, rows)?)),
+        1,
+        one_at_a_time(|ids, rows| Ok((reference(ids, rows.clone())?, variant(ids, rows)?))),
         |_, t, lp_ref, row, rows| {
             let Some(q_logits) = rows.get(row) else {
                 return Err(Error::Invalid("variant returned too few rows".into()));
@@ -454,7 +555,8 @@ pub fn score_against(
     for_each_target(
         docs,
         window,
-        |ids, rows| variant(ids, rows).map(|out| (out, ())),
+        1,
+        one_at_a_time(|ids, rows| variant(ids, rows).map(|out| (out, ()))),
         |k, t, lq, _, ()| {
             let (Some(r), Some(p)) = (reference.tokens.get(k), reference.distributions.get(k))
             else {
