@@ -64,12 +64,6 @@ pub struct RealConfig {
     pub timing_reps: usize,
     /// Thread counts timed.
     pub timing_threads: Vec<usize>,
-    /// The thread count (one of `timing_threads`) of the first round's child that also
-    /// runs the evaluation's first window: the memory peak, and the check that a fresh
-    /// load gives the logits scored. 0 (reports from before this field): the first of
-    /// `timing_threads`.
-    #[serde(default)]
-    pub window_threads: usize,
     /// Rows a lossless block.
     pub block_rows: usize,
     /// Tokens (the calibration text's first) on which each linear's sensitivity is
@@ -97,25 +91,6 @@ pub struct RealConfig {
     /// this field): the plans use activation-aware scales.
     #[serde(default)]
     pub gptq_damp: Option<f64>,
-}
-
-impl RealConfig {
-    /// The index in `timing_threads` of the child that runs the window.
-    fn window_child(&self) -> usize {
-        self.timing_threads
-            .iter()
-            .position(|&t| t == self.window_threads)
-            .unwrap_or(0)
-    }
-
-    /// The thread count of the child that runs the window.
-    #[must_use]
-    pub fn window_threads(&self) -> usize {
-        self.timing_threads
-            .get(self.window_child())
-            .copied()
-            .unwrap_or(1)
-    }
 }
 
 fn yes() -> bool {
@@ -157,7 +132,6 @@ impl Default for RealConfig {
             // few percent, the ratios to the peers are 2x and more)
             timing_reps: 2,
             timing_threads: vec![1, 2],
-            window_threads: 2,
             block_rows: 16,
             sensitivity_tokens: 512,
             sensitivity_format: "nf4-g64".into(),
@@ -180,7 +154,7 @@ pub struct ProbeRequest {
     pub window: Vec<u32>,
     /// The generation prompt.
     pub prompt: Vec<u32>,
-    /// Tokens to generate.
+    /// Tokens to generate (0: no generation).
     pub max_new: usize,
 }
 
@@ -210,7 +184,7 @@ pub struct ProbeResult {
 
 /// Runs a [`ProbeRequest`] on a given number of threads, in a fresh process (so the
 /// memory peak is the variant's, and the thread count takes effect).
-pub trait Probe {
+pub trait Probe: Sync {
     /// Runs `req` with `threads` threads.
     ///
     /// # Errors
@@ -297,7 +271,10 @@ pub fn probe_in_process(req: &ProbeRequest) -> Result<ProbeResult> {
     // the digest after the timing, and the logits dropped before the generation
     let window_sha256 = logits.map(|l| logits_sha256(&l));
     let t = Instant::now();
-    let generated = model.generate_tokens(&req.prompt, req.max_new)? as u64;
+    let generated = match req.max_new {
+        0 => 0,
+        n => model.generate_tokens(&req.prompt, n)? as u64,
+    };
     let generate_seconds = t.elapsed().as_secs_f64();
     Ok(ProbeResult {
         threads: candle_core::utils::get_num_threads(),
@@ -368,8 +345,6 @@ struct Done {
     candle: Option<LlamaFormat>,
     /// The reference's scores with their distributions (the reference only).
     kept: Option<Scored>,
-    /// SHA-256 of the logits of the evaluation's first window, as scored.
-    first_sha256: String,
 }
 
 fn read_text(path: &str) -> Result<String> {
@@ -383,8 +358,6 @@ fn check(cfg: &RealConfig) -> Result<Vec<Format>> {
         Some("calibration_windows must be positive and eval_tokens at least 2".into())
     } else if cfg.timing_reps == 0 || cfg.timing_threads.is_empty() {
         Some("timing_reps and timing_threads must not be empty".into())
-    } else if cfg.window_threads != 0 && !cfg.timing_threads.contains(&cfg.window_threads) {
-        Some("window_threads must be one of timing_threads".into())
     } else if cfg.prompt_tokens == 0 || cfg.prompt_tokens > cfg.eval_tokens {
         Some("prompt_tokens must be positive and at most eval_tokens".into())
     } else if cfg.gptq_damp.is_some_and(|d| !(d.is_finite() && d >= 0.0)) {
@@ -873,11 +846,40 @@ pub fn run_real(
         };
         let first_sha256 = first.into_inner().ok_or_else(|| {
             Error::Config(format!(
-                "{}: no window of the evaluation is the one the timing child runs",
+                "{}: no window of the evaluation is the one its memory child runs",
                 p.name
             ))
         })?;
         let st = storage(&file, file_bytes, &model)?;
+        // memory, and the bits again: a child loads the file afresh (candle's variants on
+        // candle's own kernels) and runs the evaluation's first window on one thread, in
+        // this lane; its peak is the variant's, and its logits must be the ones scored.
+        // Not for the shuffled controls (quality controls, neither timed nor probed)
+        let memory = if p.control {
+            None
+        } else {
+            let req = ProbeRequest {
+                file: file.clone(),
+                candle: candle.map(|f| f.name().to_string()),
+                window: first_window.clone(),
+                prompt: Vec::new(),
+                max_new: 0,
+            };
+            let r = probe.probe(&req, 1)?;
+            if r.window_sha256.as_deref() != Some(first_sha256.as_str()) {
+                return Err(Error::Mismatch(format!(
+                    "{}: the logits of the evaluation's first window, run again in a child \
+                     process{}, are not those scored",
+                    file.display(),
+                    if candle.is_some() {
+                        " on candle's own kernels (scored on the replica)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            Some(r)
+        };
         let replicated = replica.map_or(0, |(_, n)| n);
         progress.inc(1);
         note(&format!(
@@ -906,19 +908,27 @@ pub fn run_real(
             nll: scored.nll(),
             timing: VariantTiming {
                 load_seconds,
-                forward: Timing::from_samples(0, Vec::new(), Vec::new()),
+                forward: memory.as_ref().map_or_else(
+                    || Timing::from_samples(0, Vec::new(), Vec::new()),
+                    |r| {
+                        Timing::from_samples(
+                            0,
+                            vec![r.window_seconds],
+                            vec![first_window.len() as u64],
+                        )
+                    },
+                ),
                 generate: Timing::from_samples(0, Vec::new(), Vec::new()),
                 generate_threads: Vec::new(),
             },
-            peak_rss_bytes: None,
-            baseline_rss_bytes: None,
+            peak_rss_bytes: memory.as_ref().and_then(|r| r.peak_rss_bytes),
+            baseline_rss_bytes: memory.as_ref().and_then(|r| r.baseline_rss_bytes),
         };
         Ok(Done {
             variant,
             file,
             candle,
             kept,
-            first_sha256,
         })
     };
     // the reference first, on every core: the others are scored against its
@@ -970,17 +980,16 @@ pub fn run_real(
         }
     }
     done.extend(slots.into_iter().flatten());
-    let (mut variants, mut files, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut variants, mut files) = (Vec::new(), Vec::new());
     for d in done {
         variants.push(d.variant);
         files.push((d.file, d.candle));
-        firsts.push(d.first_sha256);
     }
     let targets = reference.tokens.len();
     drop(reference);
 
-    // memory and speed, each variant but the shuffled controls (quality controls: the
-    // formats of their plan on other modules) in child processes, in interleaved rounds
+    // speed, each variant but the shuffled controls (quality controls: the formats of
+    // their plan on other modules) in child processes, in interleaved rounds
     let prompt: Vec<u32> = eval_ids.iter().take(cfg.prompt_tokens).copied().collect();
     let timed: Vec<usize> = variants
         .iter()
@@ -988,53 +997,25 @@ pub fn run_real(
         .filter(|(_, v)| !v.control)
         .map(|(i, _)| i)
         .collect();
-    // the window (for the memory peak and the bits) runs in one child of the first round
-    let window_child = cfg.window_child();
     let n = timed.len() * cfg.timing_threads.len();
     progress.stage("timing", (n * cfg.timing_reps) as u64);
     let t_timing = Instant::now();
     let mut samples: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
         vec![vec![(Vec::new(), Vec::new()); cfg.timing_threads.len()]; files.len()];
-    for round in 0..cfg.timing_reps {
+    for _ in 0..cfg.timing_reps {
         for &i in &timed {
             let Some((file, candle)) = files.get(i) else {
                 continue;
             };
             for (j, &threads) in cfg.timing_threads.iter().enumerate() {
-                let first = round == 0 && j == window_child;
                 let req = ProbeRequest {
                     file: file.clone(),
                     candle: candle.map(|f| f.name().to_string()),
-                    window: if first {
-                        first_window.clone()
-                    } else {
-                        Vec::new()
-                    },
+                    window: Vec::new(),
                     prompt: prompt.clone(),
                     max_new: cfg.generate_tokens,
                 };
                 let r = probe.probe(&req, threads)?;
-                if first && r.window_sha256.as_ref() != firsts.get(i) {
-                    return Err(Error::Mismatch(format!(
-                        "{}: the logits of the evaluation's first window, run again in a child \
-                         process{}, are not those scored",
-                        file.display(),
-                        if candle.is_some() {
-                            " on candle's own kernels (scored on the replica)"
-                        } else {
-                            ""
-                        }
-                    )));
-                }
-                if first && let Some(v) = variants.get_mut(i) {
-                    v.peak_rss_bytes = r.peak_rss_bytes;
-                    v.baseline_rss_bytes = r.baseline_rss_bytes;
-                    v.timing.forward = Timing::from_samples(
-                        0,
-                        vec![r.window_seconds],
-                        vec![first_window.len() as u64],
-                    );
-                }
                 if let Some(s) = samples.get_mut(i).and_then(|s| s.get_mut(j)) {
                     s.0.push(r.generate_seconds);
                     s.1.push(r.generated);
@@ -1044,13 +1025,12 @@ pub fn run_real(
         }
     }
     progress.done(&format!(
-        "timed {} variants (not the {} shuffled controls) on {:?} threads, {} interleaved rounds, each in a child process, in {:.0} s; each one's first window, run again in a child on {} thread(s), gave the logits scored, bit for bit",
+        "timed {} variants (not the {} shuffled controls) on {:?} threads, {} interleaved rounds, each in a child process, in {:.0} s",
         timed.len(),
         variants.len() - timed.len(),
         cfg.timing_threads,
         cfg.timing_reps,
         t_timing.elapsed().as_secs_f64(),
-        cfg.window_threads()
     ));
     for (v, per_thread) in variants.iter_mut().zip(samples) {
         if v.control {

@@ -392,13 +392,12 @@ fn markdown_real(r: &Report, c: &crate::RealConfig) -> String {
     s.push('\n');
     let _ = writeln!(
         s,
-        "Module weights: every stored buffer of the linears and embeddings (the tied embedding is the output head); norms ({} bytes) are dense in every variant. Generation: greedy, {} new tokens after a {}-token prompt from the held-out text, one child process a sample, {} interleaved rounds; peak RSS: the child that loaded the variant and ran one window of {} tokens and one generation on {} thread(s). The shuffled controls are not timed (\"-\"): they are quality controls, their plan's formats on other modules. Timing and memory are context for this machine, not claims.",
+        "Module weights: every stored buffer of the linears and embeddings (the tied embedding is the output head); norms ({} bytes) are dense in every variant. Generation: greedy, {} new tokens after a {}-token prompt from the held-out text, one child process a sample, {} interleaved rounds; peak RSS: a child that loaded the variant and ran one window of {} tokens on one thread. The shuffled controls are not timed (\"-\"): they are quality controls, their plan's formats on other modules. Timing and memory are context for this machine, not claims.",
         reference.map_or(0, |v| v.storage.other_bytes),
         c.generate_tokens,
         c.prompt_tokens,
         c.timing_reps,
         c.window,
-        c.window_threads(),
     );
     s
 }

@@ -76,8 +76,7 @@ pub(crate) struct BenchArgs {
     /// Real model: timed generation, prompt tokens.
     #[arg(long)]
     prompt_tokens: Option<usize>,
-    /// Real model: thread counts timed (comma-separated); the first round's child with the
-    /// most of them also runs the evaluation's first window (the memory peak).
+    /// Real model: thread counts timed (comma-separated).
     #[arg(long)]
     timing_threads: Option<String>,
     /// Re-run the configuration recorded in this report and check that it reproduces
@@ -173,7 +172,6 @@ fn real_config(a: &BenchArgs, model: &Path) -> Result<offline::RealConfig> {
     }
     if let Some(t) = &a.timing_threads {
         c.timing_threads = list(t, "--timing-threads")?;
-        c.window_threads = c.timing_threads.iter().copied().max().unwrap_or(0);
     }
     if let Some(s) = &a.shuffle_seeds {
         c.shuffle_seeds = list(s, "--shuffle-seeds")?;
