@@ -307,9 +307,11 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let part = a
             .narrow(ka, start, len)?
             .matmul(&b.narrow(kb, start, len)?)?;
+        // the pieces added on this thread (`add`, candle's `+`'s bits): candle's `+` wakes
+        // its thread pool, whose barrier spins beside a caller's other lanes
         sum = Some(match sum {
             None => part,
-            Some(s) => (s + part)?,
+            Some(s) => add(&s, &part)?,
         });
         start += len;
     }
