@@ -298,10 +298,11 @@ fn score_windows(
 /// each is a vocabulary of f64s (16 x 49,152 x 8 bytes is 6 MB), so memory stays small.
 const SCORE_CHUNK: usize = 16;
 
-/// The windows [`score_documents`] runs, and for each the rows it counts: calls
-/// `run(ids, rows)` once a window (returning the logit rows `rows` of it, the ones its
-/// targets need, and anything else the caller needs), then, for every target that window
-/// scores, `prepare(k, &score, log_probs, row, extra)` (`k` counting the targets from 0,
+/// The windows [`score_documents`] runs, and for each the rows it counts: calls `run` with
+/// `group` windows at a time, in order, as `(ids, rows)` (returning, for each, the logit
+/// rows `rows` of it, the ones its targets need, and anything else the caller needs, or
+/// the window's failure), then, for every target each window scores, in order,
+/// `prepare(k, &score, log_probs, row, extra)` (`k` counting the targets from 0,
 /// `row` the target's index among the rows returned) and `take(score, prepared)`. The
 /// log-softmaxes and `prepare` run on rayon's threads, [`SCORE_CHUNK`] targets at a time;
 /// `take` runs on the caller's thread, in the targets' order, and the first error in that

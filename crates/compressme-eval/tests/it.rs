@@ -233,6 +233,39 @@ fn a_quantized_causal_model_shifts_its_distributions() {
     let w = Window { len: 16, stride: 8 };
     let reference = score_documents(&docs, w, true, logits(&model)).unwrap();
     let same = score_documents(&docs, w, true, logits(&model)).unwrap();
+    // windows side by side in lanes: the same targets, likelihoods and distributions, bit
+    // for bit, and a failing window's error as one at a time gives it
+    for lanes in [1, 2, 3] {
+        let side = compressme_eval::score_documents_in_lanes(&docs, w, true, lanes, |ids, rows| {
+            model.logit_rows_at(ids, rows).map_err(|e| e.to_string())
+        })
+        .unwrap();
+        assert_eq!(side.tokens, reference.tokens, "{lanes} lanes");
+        let bits = |s: &compressme_eval::Scored| -> Vec<u32> {
+            s.distributions
+                .iter()
+                .flatten()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(bits(&side), bits(&reference), "{lanes} lanes");
+        let refuse = |ids: &[u32], rows: Rows| {
+            if ids.first() == docs[2].first() && rows.start > 0 {
+                return Err("window refused".to_string());
+            }
+            model.logit_rows_at(ids, rows).map_err(|e| e.to_string())
+        };
+        let failing = compressme_eval::score_documents_in_lanes(&docs, w, true, lanes, refuse);
+        assert!(
+            matches!(failing, Err(compressme_eval::Error::Model { ref message, .. }) if message == "window refused"),
+            "{lanes} lanes: {failing:?}"
+        );
+        let alone = score_documents(&docs, w, true, refuse);
+        assert_eq!(
+            failing.map(|_| ()).map_err(|e| e.to_string()),
+            alone.map(|_| ()).map_err(|e| e.to_string())
+        );
+    }
     let s0 = shift(&reference, &same).unwrap();
     // identical models: KL exactly zero, every top-1 the same, no probability moved
     assert_eq!(s0.kl_mean, 0.0);

@@ -128,8 +128,8 @@ impl Default for RealConfig {
             seed: 42,
             prompt_tokens: 64,
             generate_tokens: 128,
-            // two rounds: the 15-minute budget (three took 80 s more; their spread was a
-            // few percent, the ratios to the peers are 2x and more)
+            // two rounds, for the 15-minute budget: a third costs about 90 s, and the speed
+            // targets are met by 2x and more (a variant's samples were 0.3-15% apart)
             timing_reps: 2,
             timing_threads: vec![1, 2],
             block_rows: 16,
@@ -762,7 +762,7 @@ pub fn run_real(
         stride: cfg.stride,
     };
     let docs = vec![eval_ids.clone()];
-    // the evaluation's first window, which each variant's first timing child runs again
+    // the evaluation's first window, which each variant's memory child runs again
     let first_window: Vec<u32> = eval_ids.iter().take(cfg.window).copied().collect();
     // one variant: store, reload, score (against `reference`, or as the reference with
     // its distributions); `note` gets its line
@@ -806,7 +806,8 @@ pub fn run_real(
         let model = load_variant(&file, candle)?;
         let load_seconds = t_load.elapsed().as_secs_f64();
         // candle's Q5_0 and unrepacked Q8_0 linears scored on the replica of its kernels;
-        // the timing runs candle's own, and its first child checks the replica's bits
+        // the memory child and the timing run candle's own, and the memory child checks
+        // the replica's bits
         let replica = match candle {
             Some(_) => {
                 // the clone shares the loaded tensors; only its linears' weights change
@@ -817,8 +818,8 @@ pub fn run_real(
             None => None,
         };
         progress.inc(1);
-        // the first window's logits as scored, which the variant's first timing child
-        // (loading the file afresh; candle's own kernels for candle's variants) must give
+        // the first window's logits as scored, which the variant's memory child (loading
+        // the file afresh; candle's own kernels for candle's variants) must give
         let first = std::sync::OnceLock::new();
         let logits = |ids: &[u32], rows: Rows| -> std::result::Result<Vec<Vec<f32>>, String> {
             let m = replica.as_ref().map_or(&model, |(fast, _)| fast);
