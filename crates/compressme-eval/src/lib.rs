@@ -307,7 +307,7 @@ const SCORE_CHUNK: usize = 16;
 /// log-softmaxes and `prepare` run on rayon's threads, [`SCORE_CHUNK`] targets at a time;
 /// `take` runs on the caller's thread, in the targets' order, and the first error in that
 /// order is returned: the results do not depend on the thread count.
-fn for_each_target<X: Sync + Send, P: Send>(
+fn for_each_target<X: Sync, P: Send>(
     docs: &[Vec<u32>],
     window: Window,
     group: usize,

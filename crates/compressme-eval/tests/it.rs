@@ -256,10 +256,10 @@ fn a_quantized_causal_model_shifts_its_distributions() {
             model.logit_rows_at(ids, rows).map_err(|e| e.to_string())
         };
         let failing = compressme_eval::score_documents_in_lanes(&docs, w, true, lanes, refuse);
-        assert!(
-            matches!(failing, Err(compressme_eval::Error::Model { ref message, .. }) if message == "window refused"),
-            "{lanes} lanes: {failing:?}"
-        );
+        let Err(compressme_eval::Error::Model { message, .. }) = &failing else {
+            panic!("{lanes} lanes: not a window's failure: {failing:?}");
+        };
+        assert_eq!(message, "window refused", "{lanes} lanes");
         let alone = score_documents(&docs, w, true, refuse);
         assert_eq!(
             failing.map(|_| ()).map_err(|e| e.to_string()),
