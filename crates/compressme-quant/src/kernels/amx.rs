@@ -118,9 +118,9 @@ pub(super) fn fits(view: &RowsView<'_>, kp: usize, batch: usize) -> bool {
         && batch >= MIN_BATCH
 }
 
-/// The tile configuration: palette 1, eight tiles of 16 rows by 64 bytes.
+/// A tile configuration for `ldtilecfg`: palette 1, each tile's bytes a row and rows.
 #[repr(C, align(64))]
-struct Config {
+pub(super) struct Config {
     palette: u8,
     start_row: u8,
     reserved: [u8; 14],
@@ -128,13 +128,79 @@ struct Config {
     rows: [u8; 16],
 }
 
-const CONFIG: Config = Config {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
-};
+impl Config {
+    /// Tiles `0..8` with `colsb[i]` bytes a row and `rows[i]` rows (0 and 0: unused); a
+    /// shape past palette 1's limits (16 rows of 64 bytes, whole `i32`s) fails to compile
+    /// where the configuration is a constant.
+    pub(super) const fn new(colsb: [u16; 8], rows: [u8; 8]) -> Self {
+        let mut c = Self {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        let mut i = 0;
+        while i < 8 {
+            assert!(colsb[i] <= 64 && colsb[i].is_multiple_of(4) && rows[i] <= 16);
+            c.colsb[i] = colsb[i];
+            c.rows[i] = rows[i];
+            i += 1;
+        }
+        c
+    }
+}
+
+/// Eight tiles of 16 rows by 64 bytes.
+const CONFIG: Config = Config::new([64; 8], [16; 8]);
+
+/// A tile configuration loaded on this thread by [`Tiles::load`]; on drop the one found
+/// before is given back (`ldtilecfg` of it, or `tilerelease` where there was none).
+/// candle's AMX kernels configure a thread once and keep it, and a released or reshaped
+/// configuration under them would fault or compute with the wrong shapes.
+pub(super) struct Tiles {
+    found: Config,
+    /// Made and dropped on one thread.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Tiles {
+    /// Loads `config` on this thread, keeping what was there.
+    pub(super) fn load(_: Token, config: &'static Config) -> Self {
+        let mut found = Config {
+            palette: 0,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        // SAFETY: the token proves AMX and Linux's permission; `sttilecfg` writes the 64
+        // bytes of `found` (zeros when no configuration is loaded); `config` is within
+        // palette 1's limits (`Config::new`)
+        unsafe {
+            asm!("sttilecfg [{0}]", in(reg) &mut found, options(nostack));
+            asm!("ldtilecfg [{0}]", in(reg) config, options(nostack, readonly));
+        }
+        Self {
+            found,
+            _thread: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: `load` ran on this thread (a `Tiles` is not `Send`), so AMX is there and
+        // permitted; `found` is a configuration this CPU loaded before, or none
+        unsafe {
+            if self.found.palette == 0 {
+                asm!("tilerelease", options(nostack, nomem));
+            } else {
+                asm!("ldtilecfg [{0}]", in(reg) &self.found, options(nostack, readonly));
+            }
+        }
+    }
+}
 
 /// `x` split into high and low bytes in right-tile order: for block `k` of 16 rows and
 /// step `s`, tile `k · steps + s` of each.
@@ -275,7 +341,6 @@ pub(super) fn run(
     macs: usize,
     yt: &mut [f32],
 ) {
-    let _ = t;
     let kp = fx.kp;
     let xt = XTiles::new(fx, batch);
     let steps = xt.steps;
@@ -329,23 +394,10 @@ pub(super) fn run(
             // true by construction (`w` is 32 rows, `xt` every block's tiles)
             debug_assert!(ok, "AMX task of {} bytes for {kp} columns", w.len());
             if ok {
-                // the thread's tile configuration as found, given back below: another
-                // user of AMX on this thread (candle's Q4_K kernels configure a thread once
-                // and keep it) finds its own shapes again, or none if it had none
-                let mut found = Config {
-                    palette: 0,
-                    start_row: 0,
-                    reserved: [0; 14],
-                    colsb: [0; 16],
-                    rows: [0; 16],
-                };
-                // SAFETY: the token proves AMX and the permission; `sttilecfg` writes the
-                // 64 bytes of `found` (zeros when no configuration is loaded), and the
-                // tiles are configured here and given back below on this thread
-                unsafe {
-                    asm!("sttilecfg [{0}]", in(reg) &mut found, options(nostack));
-                    asm!("ldtilecfg [{0}]", in(reg) &CONFIG, options(nostack, readonly));
-                }
+                // the thread's configuration as found comes back when `tiles` drops:
+                // another user of AMX on this thread (candle's Q4_K kernels configure a
+                // thread once and keep it) finds its own shapes again, or none
+                let tiles = Tiles::load(t, &CONFIG);
                 // a flush's 32 rows (32 KB at most) read from memory for the first
                 // block of `x` and from the caches for the others; each output's
                 // flushes still in order
@@ -369,15 +421,7 @@ pub(super) fn run(
                         }
                     }
                 }
-                // SAFETY: the tiles configured above, on this thread; `found` is a
-                // configuration this CPU loaded before (or none: palette 0)
-                unsafe {
-                    if found.palette == 0 {
-                        asm!("tilerelease", options(nostack, nomem));
-                    } else {
-                        asm!("ldtilecfg [{0}]", in(reg) &found, options(nostack, readonly));
-                    }
-                }
+                drop(tiles);
             }
             for (r, yr) in out.chunks_exact_mut(batch).enumerate().take(n) {
                 for (b, o) in yr.iter_mut().enumerate() {

@@ -89,6 +89,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 #[cfg(target_arch = "x86_64")]
+mod amx8;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avxvnni;
@@ -173,11 +175,13 @@ pub enum Tier {
     /// code.
     Avx512Vnni,
     /// The AVX-512 VNNI tier with Intel's AMX tiles (AMX-TILE and AMX-INT8, Sapphire
-    /// Rapids on; Linux must grant the process the tile state) for 8-bit codes in long
-    /// groups (the per-row INT8 formats) at batches of 8 and more: each 14-bit
-    /// activation split exactly into a signed high and an unsigned low byte, 16 x 16 x 64
-    /// products a `tdpbssd` or `tdpbsud`, the weights read in place. The same bits as
-    /// the AVX-512 VNNI tier; everything else runs its code.
+    /// Rapids on; Linux must grant the process the tile state) at batches of 8 and more:
+    /// 8-bit codes in long groups (the per-row INT8 formats) with 14-bit activations,
+    /// each split exactly into a signed high and an unsigned low byte, 16 x 16 x 64
+    /// products a `tdpbssd` or `tdpbsud`, the weights read in place; and every format
+    /// under [`Activations::Block8`] (the 4-bit ones by default), 16 x 16 x 32 products a
+    /// `tdpbssd`, the weights decoded a task at a time into a block-major copy. The same
+    /// bits as the AVX-512 VNNI tier; everything else runs its code.
     Avx512Amx,
 }
 
@@ -1359,6 +1363,14 @@ fn int_rows_block8(isa: Isa, x: &[f32], batch: usize, w: &Packed, yt: &mut [f32]
         let view = RowsView::new(w, kp);
         // INT4's minimums, one a group of each row
         let mins = matches!(w.format(), Format::Int4Block(_)).then(|| w.mins());
+        // the AMX tier's matrix unit, for the batches the tiles take (the same bits)
+        if let tiles::Kind::Avx512(t) = kind
+            && let Some(a) = t.amx()
+            && amx8::fits(&view, batch)
+        {
+            amx8::run(a, kind, x, batch, &view, cols, w.rows(), yt, mins);
+            return;
+        }
         if batch <= rows8::MAX_BATCH {
             let layouts = repack().then_some(&w.layouts);
             rows8::run(kind, x, batch, &view, cols, w.rows(), yt, mins, layouts);

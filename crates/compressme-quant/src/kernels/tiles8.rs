@@ -120,8 +120,12 @@ pub(super) struct Panel {
     lanes: usize,
     /// Columns, padded to whole blocks.
     pub(super) kp: usize,
-    /// Unit `(k · kp / 4 + u) · lanes + l`: row `k · lanes + l`'s bytes `4u..4u + 4`.
+    /// From `q[q0]`, unit `(k · kp / 4 + u) · lanes + l`: row `k · lanes + l`'s bytes
+    /// `4u..4u + 4`.
     q: Vec<u32>,
+    /// The first unit on a 64-byte boundary (so with 16 lanes each unit row is a
+    /// cache line: the AMX tiles load it as one, and a load across two lines took longer).
+    q0: usize,
     /// `(k · blocks + c) · lanes + l`: that row's step in block `c`.
     step: Vec<f32>,
     /// Laid out as `step`: `128 · Σ q` over the block (what the biased codes add).
@@ -152,7 +156,8 @@ impl Panel {
         let kp = cols.div_ceil(BLOCK) * BLOCK;
         let (units, blocks) = (kp / 4, kp / BLOCK);
         let panels = batch.div_ceil(lanes);
-        let mut q = vec![0u32; panels * units * lanes];
+        let mut q = vec![0u32; panels * units * lanes + 15];
+        let q0 = q.as_ptr().align_offset(64).min(15);
         let mut step = vec![0f32; panels * blocks * lanes];
         let mut bias = vec![0i32; panels * blocks * lanes];
         let mut sums = vec![0f32; batch * blocks];
@@ -174,7 +179,7 @@ impl Panel {
             }
         };
         // (no columns: nothing to fill, and no chunks of zero length)
-        let parts = q
+        let parts = q[q0..]
             .chunks_mut((units * lanes).max(1))
             .zip(step.chunks_mut((blocks * lanes).max(1)))
             .zip(bias.chunks_mut((blocks * lanes).max(1)))
@@ -187,6 +192,7 @@ impl Panel {
             lanes,
             kp,
             q,
+            q0,
             step,
             bias,
             sums,
@@ -217,7 +223,9 @@ impl Panel {
     pub(super) fn block(&self, k: usize) -> (&[u32], &[f32], &[i32]) {
         let (nq, ns) = (self.kp / 4 * self.lanes, self.blocks() * self.lanes);
         (
-            self.q.get(k * nq..(k + 1) * nq).unwrap_or(&[]),
+            self.q
+                .get(self.q0 + k * nq..self.q0 + (k + 1) * nq)
+                .unwrap_or(&[]),
             self.step.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
             self.bias.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
         )
@@ -1245,7 +1253,7 @@ mod tests {
                 let x = [absmax, -absmax, 0.0, absmax];
                 let p = Panel::new(&x, 1, 4, false, 8, kind);
                 assert_eq!(
-                    p.q[0].to_le_bytes().map(|b| b as i8),
+                    p.q[p.q0].to_le_bytes().map(|b| b as i8),
                     [127, -127, 0, 127],
                     "{absmax:e} {kind:?}"
                 );
@@ -1335,7 +1343,7 @@ mod tests {
                     let inv = 127.0 / absmax;
                     for (i, &v) in vals.iter().enumerate() {
                         let slot = if nibbles { nibble_slot(i) } else { i };
-                        let unit = p.q[(c * QUADS + slot / 4) * 8 + b];
+                        let unit = p.q[p.q0 + (c * QUADS + slot / 4) * 8 + b];
                         let q = (unit >> (8 * (slot % 4))) as u8 as i8;
                         assert_eq!(q, (v * inv).round().clamp(-127.0, 127.0) as i8);
                         assert!((f32::from(q) * p.step[at] - v).abs() <= p.step[at] / 2.0 * 1.0001);
