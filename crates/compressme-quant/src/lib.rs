@@ -17,9 +17,10 @@
 //! on all cores, on the fastest
 //! [`Tier`] the CPU has (AVX-512 VNNI with Intel's AMX tiles, AVX-512 VNNI, AVX-VNNI, AVX2,
 //! or portable Rust; `COMPRESSME_KERNEL` forces one, see [`kernel_tier`]), every SIMD tier
-//! giving the same bits (batches of 8 or more run on tiles, one `x` row a vector lane; the
-//! per-row INT8 formats at batches of 8 and more on AMX's tiles where the tier has them), and [`matmul_into`] writes the same bits
-//! into a caller's slice ([`matmul_into_using`] with chosen activations);
+//! giving the same bits (batches of 8 or more run on tiles, one `x` row a vector lane; at
+//! batches of 8 and more the per-row INT8 formats, and every format with 8-bit activations,
+//! on AMX's tiles where the tier has them), and [`matmul_into`] writes the same bits into a
+//! caller's slice ([`matmul_into_using`] with chosen activations);
 //! [`reference::matmul`] is the exact definition they are held to, within [`error_bound`]
 //! (and [`error_bound_block8`] for 8-bit activations). On the AVX-512 tier a 4-bit matrix
 //! multiplied at batches of 1 to 7, and a large INT8 matrix at batch 1, keeps a
