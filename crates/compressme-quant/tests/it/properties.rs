@@ -894,22 +894,27 @@ fn int8_block_gives_the_largest_weight_code_127_at_subnormal_scales() {
     }
 }
 
-/// The AMX tiles give the AVX-512 VNNI tier's bits: whole tasks of 32 weight rows read in
-/// place and a last part task, one flush and several (a part flush last), whole and part
-/// blocks of 16 rows of `x`, and the largest codes and activations; skipped by name where
-/// the CPU or the operating system has no AMX.
-#[test]
-fn the_amx_tiles_give_the_avx512_bits() {
+/// Every product of `formats` on `shapes` (rows, columns) at `batches`, with random and
+/// with extreme weights and activations, on the AMX tier against the AVX-512 VNNI tier's
+/// bits, with `activations`: how many were compared, or `None` (said on stderr, with
+/// `test`'s name) where the CPU or the operating system has no AMX.
+fn amx_gives_the_avx512_bits(
+    test: &str,
+    formats: &[Format],
+    shapes: &[(usize, usize)],
+    batches: &[usize],
+    activations: Activations,
+) -> Option<usize> {
     if !Tier::Avx512Amx.supported() {
         eprintln!(
-            "skipped: the_amx_tiles_give_the_avx512_bits (this CPU lacks {})",
+            "skipped: {test} (this CPU lacks {})",
             Tier::Avx512Amx.needs()
         );
-        return;
+        return None;
     }
     let mut ran = 0;
-    for format in [Format::Int8, Format::Int8Rows] {
-        for (rows, cols) in [(70, 64), (32, 1024), (33, 2112), (64, 4096), (7, 576)] {
+    for &format in formats {
+        for &(rows, cols) in shapes {
             for extreme in [false, true] {
                 let w = if extreme {
                     (0..rows * cols)
@@ -919,61 +924,7 @@ fn the_amx_tiles_give_the_avx512_bits() {
                     weights(rows, cols, (rows * cols) as u64)
                 };
                 let q = quantize(&w, rows, cols, format).unwrap();
-                for batch in [8, 9, 16, 17, 32, 40] {
-                    let x: Vec<f32> = if extreme {
-                        (0..batch * cols)
-                            .map(|i| if i % 5 == 0 { -3.0 } else { 3.0 })
-                            .collect()
-                    } else {
-                        weights(batch, cols, 11 ^ cols as u64)
-                    };
-                    let bits = |t: Tier| -> Vec<u32> {
-                        let y = matmul_with(Backend::Tier(t), &x, batch, &q).unwrap();
-                        y.into_iter().map(f32::to_bits).collect()
-                    };
-                    assert_eq!(
-                        bits(Tier::Avx512Amx),
-                        bits(Tier::Avx512Vnni),
-                        "{format:?}, {rows} x {cols}, batch {batch}, extreme {extreme}"
-                    );
-                    ran += 1;
-                }
-            }
-        }
-    }
-    assert_eq!(ran, 120);
-}
-
-/// The AMX tiles for 8-bit activations give the AVX-512 VNNI tier's bits: every format
-/// whose groups are whole blocks of 32 (the 4-bit ones by default, the 8-bit ones asked
-/// for 8-bit activations), a last part task of weight rows, rows with a part last block,
-/// one group and several, whole and part panels of 16 rows of `x`, and the largest codes
-/// and activations; skipped by name where the CPU or the operating system has no AMX.
-#[test]
-fn the_amx_tiles_for_8_bit_activations_give_the_avx512_bits() {
-    if !Tier::Avx512Amx.supported() {
-        eprintln!(
-            "skipped: the_amx_tiles_for_8_bit_activations_give_the_avx512_bits (this CPU lacks {})",
-            Tier::Avx512Amx.needs()
-        );
-        return;
-    }
-    let mut ran = 0;
-    for format in all_formats() {
-        if matches!(format, Format::F16 | Format::Bf16) {
-            continue;
-        }
-        for (rows, cols) in [(70, 64), (17, 1000), (32, 4096), (7, 576)] {
-            for extreme in [false, true] {
-                let w = if extreme {
-                    (0..rows * cols)
-                        .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
-                        .collect()
-                } else {
-                    weights(rows, cols, (rows * cols) as u64)
-                };
-                let q = quantize(&w, rows, cols, format).unwrap();
-                for batch in [8, 16, 17, 32, 40] {
+                for &batch in batches {
                     let x: Vec<f32> = if extreme {
                         (0..batch * cols)
                             .map(|i| if i % 5 == 0 { -3.0 } else { 3.0 })
@@ -983,15 +934,8 @@ fn the_amx_tiles_for_8_bit_activations_give_the_avx512_bits() {
                     };
                     let bits = |t: Tier| -> Vec<u32> {
                         let mut y = vec![0f32; batch * rows];
-                        matmul_into_using(
-                            Backend::Tier(t),
-                            Activations::Block8,
-                            &x,
-                            batch,
-                            &q,
-                            &mut y,
-                        )
-                        .unwrap();
+                        matmul_into_using(Backend::Tier(t), activations, &x, batch, &q, &mut y)
+                            .unwrap();
                         y.into_iter().map(f32::to_bits).collect()
                     };
                     assert_eq!(
@@ -1004,5 +948,46 @@ fn the_amx_tiles_for_8_bit_activations_give_the_avx512_bits() {
             }
         }
     }
-    assert_eq!(ran, 12 * 4 * 2 * 5);
+    Some(ran)
+}
+
+/// The AMX tiles give the AVX-512 VNNI tier's bits: whole tasks of 32 weight rows read in
+/// place and a last part task, one flush and several (a part flush last), whole and part
+/// blocks of 16 rows of `x`, and the largest codes and activations; skipped by name where
+/// the CPU or the operating system has no AMX.
+#[test]
+fn the_amx_tiles_give_the_avx512_bits() {
+    let ran = amx_gives_the_avx512_bits(
+        "the_amx_tiles_give_the_avx512_bits",
+        &[Format::Int8, Format::Int8Rows],
+        &[(70, 64), (32, 1024), (33, 2112), (64, 4096), (7, 576)],
+        &[8, 9, 16, 17, 32, 40],
+        Activations::Auto,
+    );
+    if let Some(ran) = ran {
+        assert_eq!(ran, 120);
+    }
+}
+
+/// The AMX tiles for 8-bit activations give the AVX-512 VNNI tier's bits: every format
+/// whose groups are whole blocks of 32 (the 4-bit ones by default, the 8-bit ones asked
+/// for 8-bit activations), a last part task of weight rows, rows with a part last block,
+/// one group and several, whole and part panels of 16 rows of `x`, and the largest codes
+/// and activations; skipped by name where the CPU or the operating system has no AMX.
+#[test]
+fn the_amx_tiles_for_8_bit_activations_give_the_avx512_bits() {
+    let formats: Vec<Format> = all_formats()
+        .into_iter()
+        .filter(|f| !matches!(f, Format::F16 | Format::Bf16))
+        .collect();
+    let ran = amx_gives_the_avx512_bits(
+        "the_amx_tiles_for_8_bit_activations_give_the_avx512_bits",
+        &formats,
+        &[(70, 64), (17, 1000), (32, 4096), (7, 576)],
+        &[8, 16, 17, 32, 40],
+        Activations::Block8,
+    );
+    if let Some(ran) = ran {
+        assert_eq!(ran, 12 * 4 * 2 * 5);
+    }
 }
