@@ -129,16 +129,22 @@ pub(super) struct Config {
 }
 
 impl Config {
+    /// No configuration: what `sttilecfg` stores where none is loaded.
+    const NONE: Self = Self {
+        palette: 0,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+
     /// Tiles `0..8` with `colsb[i]` bytes a row and `rows[i]` rows (0 and 0: unused); a
     /// shape past palette 1's limits (16 rows of 64 bytes, whole `i32`s) fails to compile
     /// where the configuration is a constant.
     pub(super) const fn new(colsb: [u16; 8], rows: [u8; 8]) -> Self {
         let mut c = Self {
             palette: 1,
-            start_row: 0,
-            reserved: [0; 14],
-            colsb: [0; 16],
-            rows: [0; 16],
+            ..Self::NONE
         };
         let mut i = 0;
         while i < 8 {
@@ -167,13 +173,7 @@ pub(super) struct Tiles {
 impl Tiles {
     /// Loads `config` on this thread, keeping what was there.
     pub(super) fn load(_: Token, config: &'static Config) -> Self {
-        let mut found = Config {
-            palette: 0,
-            start_row: 0,
-            reserved: [0; 14],
-            colsb: [0; 16],
-            rows: [0; 16],
-        };
+        let mut found = Config::NONE;
         // SAFETY: the token proves AMX and Linux's permission; `sttilecfg` writes the 64
         // bytes of `found` (zeros when no configuration is loaded); `config` is within
         // palette 1's limits (`Config::new`)

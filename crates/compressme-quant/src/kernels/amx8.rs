@@ -9,8 +9,8 @@
 //! signed as the format's table gives them (not biased: AMX multiplies signed bytes by
 //! signed bytes). A task's 16 weight rows are decoded once, two rows at a time, into a
 //! block-major copy: block `c`'s 16 rows of 32 codes are 512 bytes at `512 c`, a left tile
-//! read in order (rows read in place at the row length as stride share one set of the
-//! first-level cache, and a tile load of them took several times as long). The right tile
+//! read in order (16 rows read in place at a power-of-two row length all fall in one set
+//! of the first-level cache). The right tile
 //! is the block's 8 four-byte units of the [`super::tiles8::Panel`] of 16 rows of `x`, as
 //! the VNNI tiers lay it out (unit `u`, lane `l`: row `l`'s bytes `4u..4u + 4`), so `x` is
 //! laid out once for every tier.
@@ -36,7 +36,8 @@
 //! drop, on the thread that loaded it; the compiler never allocates the tile registers,
 //! so they keep their values between the `asm!` blocks. Every tile load reads inside
 //! ranges the safe wrapper checked first (512 bytes of the block-major codes, 8 rows of 64
-//! bytes of a panel), and every tile store writes the task's 1 KB buffer of sums.
+//! bytes of a panel), and every tile store writes one of the task's four 1 KB buffers of
+//! sums.
 #![allow(unsafe_code)]
 
 use std::arch::asm;
