@@ -42,17 +42,15 @@
 
 use std::arch::asm;
 use std::arch::x86_64::{
-    __m512, __m512i, _mm_loadu_si128, _mm512_and_si512, _mm512_broadcast_i32x4, _mm512_cvtepi32_ps,
-    _mm512_fmadd_ps, _mm512_load_ps, _mm512_loadu_ps, _mm512_loadu_si512,
-    _mm512_permutex2var_epi64, _mm512_set1_epi8, _mm512_set1_ps, _mm512_setr_epi64,
-    _mm512_setzero_ps, _mm512_shuffle_epi8, _mm512_shuffle_i64x2, _mm512_srli_epi16,
-    _mm512_store_ps, _mm512_store_si512,
+    __m512, __m512i, _mm_loadu_si128, _mm512_broadcast_i32x4, _mm512_cvtepi32_ps, _mm512_fmadd_ps,
+    _mm512_load_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_ps, _mm512_setzero_ps,
+    _mm512_shuffle_i64x2, _mm512_store_ps, _mm512_store_si512,
 };
 
 use super::RowsView;
 use super::amx::{Config, Tiles, Token};
 use super::tiles::{Ahead, Kind, next_codes};
-use super::tiles8::{Minimums, Panel, group_blocks};
+use super::tiles8::{Minimums, Panel, group_blocks, nibble_blocks};
 
 /// The smallest batch that runs here: that of the VNNI tiles (below 16 a tile's other
 /// rows of `x` are zeros).
@@ -343,19 +341,9 @@ unsafe fn put_lines(x01: [__m512i; 2], x23: [__m512i; 2], out: *mut Line) {
 unsafe fn chunk_nibbles(c0: *const u8, c1: *const u8, lut: &[i8; 16], out: *mut Line) {
     // SAFETY: `lut` is 16 bytes
     let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(lut.as_ptr().cast()) });
-    let low = _mm512_set1_epi8(0x0f);
-    // 128-bit lanes (lo 0, hi 0, lo 1, hi 1) and (lo 2, hi 2, lo 3, hi 3)
-    let first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    let second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     let split = |c: *const u8| {
         // SAFETY: 64 bytes at `c` (caller)
-        let b = unsafe { _mm512_loadu_si512(c.cast()) };
-        let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low));
-        let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(b), low));
-        (
-            _mm512_permutex2var_epi64(lo, first, hi),
-            _mm512_permutex2var_epi64(lo, second, hi),
-        )
+        nibble_blocks(table, unsafe { _mm512_loadu_si512(c.cast()) })
     };
     let ((a01, a23), (b01, b23)) = (split(c0), split(c1));
     // SAFETY: the lines (caller)
@@ -475,11 +463,7 @@ pub(super) fn run(
                 }
             }
             drop(tiles);
-            for row in 0..n {
-                if let Some(yr) = out.get_mut(row * batch..(row + 1) * batch) {
-                    minimums.add_terms(kind, first + row, yr);
-                }
-            }
+            minimums.add_rows(kind, first, n, out);
         },
     );
 }

@@ -40,7 +40,7 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::{
-    __m256i, _CMP_GE_OQ, _CMP_LE_OQ, _mm_loadu_si128, _mm_storeu_si128, _mm256_abs_epi8,
+    __m256i, __m512i, _CMP_GE_OQ, _CMP_LE_OQ, _mm_loadu_si128, _mm_storeu_si128, _mm256_abs_epi8,
     _mm256_add_epi16, _mm256_add_epi32, _mm256_castps_si256, _mm256_cmp_ps, _mm256_cvtepi32_ps,
     _mm256_cvttps_epi32, _mm256_dpbusd_avx_epi32, _mm256_fmadd_ps, _mm256_loadu_ps,
     _mm256_loadu_si256, _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_max_epi32, _mm256_max_ps,
@@ -123,9 +123,6 @@ pub(super) struct Panel {
     /// From `q[q0]`, unit `(k · kp / 4 + u) · lanes + l`: row `k · lanes + l`'s bytes
     /// `4u..4u + 4`.
     q: Vec<u32>,
-    /// The first unit on a 64-byte boundary (so with 16 lanes each unit row is a
-    /// cache line: the AMX tiles load it as one, and a load across two lines took longer).
-    q0: usize,
     /// `(k · blocks + c) · lanes + l`: that row's step in block `c`.
     step: Vec<f32>,
     /// Laid out as `step`: `128 · Σ q` over the block (what the biased codes add).
@@ -157,7 +154,7 @@ impl Panel {
         let (units, blocks) = (kp / 4, kp / BLOCK);
         let panels = batch.div_ceil(lanes);
         let mut q = vec![0u32; panels * units * lanes + 15];
-        let q0 = q.as_ptr().align_offset(64).min(15);
+        let q0 = first_line(&q);
         let mut step = vec![0f32; panels * blocks * lanes];
         let mut bias = vec![0i32; panels * blocks * lanes];
         let mut sums = vec![0f32; batch * blocks];
@@ -192,7 +189,6 @@ impl Panel {
             lanes,
             kp,
             q,
-            q0,
             step,
             bias,
             sums,
@@ -215,6 +211,13 @@ impl Panel {
         out
     }
 
+    /// Where the units start in `q`: its first unit on a 64-byte boundary (so with 16
+    /// lanes each unit row is a cache line: the AMX tiles load it as one, and a load
+    /// across two lines took longer).
+    fn q0(&self) -> usize {
+        first_line(&self.q)
+    }
+
     pub(super) fn blocks(&self) -> usize {
         self.kp / BLOCK
     }
@@ -224,12 +227,18 @@ impl Panel {
         let (nq, ns) = (self.kp / 4 * self.lanes, self.blocks() * self.lanes);
         (
             self.q
-                .get(self.q0 + k * nq..self.q0 + (k + 1) * nq)
+                .get(self.q0() + k * nq..self.q0() + (k + 1) * nq)
                 .unwrap_or(&[]),
             self.step.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
             self.bias.get(k * ns..(k + 1) * ns).unwrap_or(&[]),
         )
     }
+}
+
+/// The index of `v`'s first value on a 64-byte boundary (at most 15: `v` is made 15
+/// longer than its units).
+fn first_line(v: &[u32]) -> usize {
+    v.as_ptr().align_offset(64).min(15)
 }
 
 /// What every panel of a [`Panel`] is made from.
@@ -527,23 +536,33 @@ fn decode_nibbles(kind: Kind, codes: &[u8], lut: &[i8; 16], out: &mut [i8]) {
 unsafe fn decode_nibbles_avx512(codes: &[u8], lut: &[i8; 16], out: &mut [i8], chunks: usize) {
     // SAFETY: `lut` is 16 bytes
     let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(lut.as_ptr().cast()) });
-    let low = _mm512_set1_epi8(0x0f);
-    // each 16-byte run's low nibbles' values, then its high nibbles': 128-bit lanes
-    // (lo 0, hi 0, lo 1, hi 1) and (lo 2, hi 2, lo 3, hi 3), in 64-bit indices
-    let first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    let second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     for i in 0..chunks {
         // SAFETY: i < chunks: bytes 64i..64i + 64 of `codes` are in range
         let b = unsafe { _mm512_loadu_si512(codes.as_ptr().add(64 * i).cast()) };
-        let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low));
-        let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(b), low));
+        let (b01, b23) = nibble_blocks(table, b);
         // SAFETY: i < chunks: outputs 128i..128i + 128 are in range
         unsafe {
             let o = out.as_mut_ptr().add(128 * i);
-            _mm512_storeu_si512(o.cast(), _mm512_permutex2var_epi64(lo, first, hi));
-            _mm512_storeu_si512(o.add(64).cast(), _mm512_permutex2var_epi64(lo, second, hi));
+            _mm512_storeu_si512(o.cast(), b01);
+            _mm512_storeu_si512(o.add(64).cast(), b23);
         }
     }
+}
+
+/// 64 code bytes (four 16-byte runs) through `table` (a 16-byte table in each 128-bit
+/// lane) in nibble order: blocks 0 and 1, then blocks 2 and 3, each block a run's low
+/// nibbles' values, then its high ones'.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(super) fn nibble_blocks(table: __m512i, b: __m512i) -> (__m512i, __m512i) {
+    let low = _mm512_set1_epi8(0x0f);
+    let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low));
+    let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(b), low));
+    // 128-bit lanes (lo 0, hi 0, lo 1, hi 1) and (lo 2, hi 2, lo 3, hi 3), in 64-bit indices
+    (
+        _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi),
+        _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi),
+    )
 }
 
 /// Eight weight rows' codes as four-byte units, and their scales, for one kernel call.
@@ -1080,11 +1099,7 @@ pub(super) fn run(
                     }
                 }
             }
-            for row in 0..n {
-                if let Some(yr) = out.get_mut(row * batch..(row + 1) * batch) {
-                    minimums.add_terms(kind, first + row, yr);
-                }
-            }
+            minimums.add_rows(kind, first, n, out);
         },
     );
 }
@@ -1253,7 +1268,7 @@ mod tests {
                 let x = [absmax, -absmax, 0.0, absmax];
                 let p = Panel::new(&x, 1, 4, false, 8, kind);
                 assert_eq!(
-                    p.q[p.q0].to_le_bytes().map(|b| b as i8),
+                    p.q[p.q0()].to_le_bytes().map(|b| b as i8),
                     [127, -127, 0, 127],
                     "{absmax:e} {kind:?}"
                 );
@@ -1343,7 +1358,7 @@ mod tests {
                     let inv = 127.0 / absmax;
                     for (i, &v) in vals.iter().enumerate() {
                         let slot = if nibbles { nibble_slot(i) } else { i };
-                        let unit = p.q[p.q0 + (c * QUADS + slot / 4) * 8 + b];
+                        let unit = p.q[p.q0() + (c * QUADS + slot / 4) * 8 + b];
                         let q = (unit >> (8 * (slot % 4))) as u8 as i8;
                         assert_eq!(q, (v * inv).round().clamp(-127.0, 127.0) as i8);
                         assert!((f32::from(q) * p.step[at] - v).abs() <= p.step[at] / 2.0 * 1.0001);
