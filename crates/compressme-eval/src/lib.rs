@@ -156,48 +156,28 @@ impl Scored {
         self.probabilities = self
             .distributions
             .par_iter()
-            .map(|d| d.iter().map(|&v| f64::from(v).exp()).collect())
+            .map(|d| compressme_quant::softmax::exp_all(d))
             .collect();
-        self.argmaxes = self.distributions.par_iter().map(|d| argmax(d)).collect();
+        self.argmaxes = self
+            .distributions
+            .par_iter()
+            .map(|d| compressme_quant::softmax::argmax(d))
+            .collect();
         self
     }
 }
-
-/// The index of the largest of `v` in `f64::total_cmp`'s order, the last of equals (0 for
-/// none): what `v.iter().enumerate().max_by(total_cmp)` gives, in two passes that need no
-/// branch a value (the order's keys, their maximum in eight running maxima, then the
-/// last index of that key), for the vocabulary-long rows each target takes twice.
-fn argmax<T: Copy + Into<f64>>(v: &[T]) -> usize {
-    // total_cmp's own key: the bits as i64, the magnitude bits flipped when negative
-    let key = |x: T| {
-        let b = x.into().to_bits().cast_signed();
-        b ^ ((b >> 63).cast_unsigned() >> 1).cast_signed()
-    };
-    let mut m = [i64::MIN; 8];
-    let mut chunks = v.chunks_exact(8);
-    for c in &mut chunks {
-        for (m, &x) in m.iter_mut().zip(c) {
-            *m = (*m).max(key(x));
-        }
+/// `f` of `logits`' log-softmax (`compressme_quant::softmax::log_softmax`), worked out in
+/// a vocabulary-long buffer this thread keeps from row to row (a call within `f` takes a
+/// buffer of its own).
+fn with_log_softmax<R>(logits: &[f32], f: impl FnOnce(&[f64]) -> R) -> R {
+    thread_local! {
+        static ROW: std::cell::Cell<Vec<f64>> = const { std::cell::Cell::new(Vec::new()) };
     }
-    let top = chunks
-        .remainder()
-        .iter()
-        .map(|&x| key(x))
-        .chain(m)
-        .max()
-        .unwrap_or(i64::MIN);
-    v.iter().rposition(|&x| key(x) == top).unwrap_or(0)
-}
-
-fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let lse = logits
-        .iter()
-        .map(|&v| f64::from(v - max).exp())
-        .sum::<f64>()
-        .ln();
-    logits.iter().map(|&v| f64::from(v - max) - lse).collect()
+    let mut row = ROW.take();
+    compressme_quant::softmax::log_softmax(logits, &mut row);
+    let r = f(&row);
+    ROW.set(row);
+    r
 }
 
 /// Scores every target of every document exactly once (positions `1..n`; the first token
@@ -366,29 +346,30 @@ fn for_each_target<X: Sync, P: Send>(
                             "document {d}: no logits for position {position}"
                         )));
                     };
-                    let lp = log_softmax(logits);
-                    let logprob = lp.get(target as usize).copied().ok_or_else(|| {
-                        Error::Invalid(format!(
-                            "document {d}: token {target} past a vocabulary of {}",
-                            lp.len()
-                        ))
-                    })?;
-                    if !logprob.is_finite() {
-                        return Err(Error::NonFinite {
+                    with_log_softmax(logits, |lp| {
+                        let logprob = lp.get(target as usize).copied().ok_or_else(|| {
+                            Error::Invalid(format!(
+                                "document {d}: token {target} past a vocabulary of {}",
+                                lp.len()
+                            ))
+                        })?;
+                        if !logprob.is_finite() {
+                            return Err(Error::NonFinite {
+                                doc: d,
+                                position,
+                                value: logprob,
+                            });
+                        }
+                        let score = TokenScore {
                             doc: d,
                             position,
-                            value: logprob,
-                        });
-                    }
-                    let score = TokenScore {
-                        doc: d,
-                        position,
-                        target,
-                        logprob,
-                        context: position - start,
-                    };
-                    let prepared = prepare(k0 + i, &score, &lp, row, &extra)?;
-                    Ok((score, prepared))
+                            target,
+                            logprob,
+                            context: position - start,
+                        };
+                        let prepared = prepare(k0 + i, &score, lp, row, &extra)?;
+                        Ok((score, prepared))
+                    })
                 };
                 let done: Vec<Result<(TokenScore, P)>> =
                     chunk.par_iter().enumerate().map(one).collect();
@@ -493,17 +474,18 @@ pub fn score_pair(
                     lp_ref.len()
                 )));
             }
-            let lq = log_softmax(q_logits);
-            let target = t.target as usize;
-            let vlp = lq.get(target).copied().unwrap_or(f64::NEG_INFINITY);
-            if !vlp.is_finite() {
-                return Err(Error::NonFinite {
-                    doc: t.doc,
-                    position: t.position,
-                    value: vlp,
-                });
-            }
-            Ok((vlp, TargetShift::new(lp_ref, None, None, &lq, target)))
+            with_log_softmax(q_logits, |lq| {
+                let target = t.target as usize;
+                let vlp = lq.get(target).copied().unwrap_or(f64::NEG_INFINITY);
+                if !vlp.is_finite() {
+                    return Err(Error::NonFinite {
+                        doc: t.doc,
+                        position: t.position,
+                        value: vlp,
+                    });
+                }
+                Ok((vlp, TargetShift::new(lp_ref, None, None, lq, target)))
+            })
         },
         |t, (vlp, shift)| {
             acc.push(shift);
@@ -629,44 +611,54 @@ struct TargetShift {
 impl TargetShift {
     /// A target's KL, top-1 agreement and change in the target's probability, from the
     /// log-probabilities of the reference `p` and the variant `q`; `p_exp` and `p_argmax`,
-    /// where given, hold `exp` of each of `p` and [`argmax`] of `p` (taken from them
-    /// instead of worked out: the same bits).
-    fn new<P: Copy + Into<f64>, Q: Copy + Into<f64>>(
+    /// where given, hold `exp` of each of `p` and the argmax of `p` (taken from them
+    /// instead of worked out: the same bits). The KL's sum and every exponential are
+    /// `compressme_quant::softmax`'s (the same bits on every CPU).
+    fn new<P: LogProb>(
         p: &[P],
         p_exp: Option<&[f64]>,
         p_argmax: Option<usize>,
-        q: &[Q],
+        q: &[f64],
         target: usize,
     ) -> Self {
-        let kl: f64 = match p_exp {
-            Some(e) => p
-                .iter()
-                .zip(e)
-                .zip(q)
-                .map(|((&lp, &ep), &lq)| {
-                    let (lp, lq): (f64, f64) = (lp.into(), lq.into());
-                    ep * (lp - lq)
-                })
-                .sum(),
-            None => p
-                .iter()
-                .zip(q)
-                .map(|(&lp, &lq)| {
-                    let (lp, lq): (f64, f64) = (lp.into(), lq.into());
-                    lp.exp() * (lp - lq)
-                })
-                .sum(),
-        };
-        let prob = |v: Option<f64>| v.unwrap_or(f64::NEG_INFINITY).exp();
+        use compressme_quant::softmax::exp;
+        let prob = |v: Option<f64>| exp(v.unwrap_or(f64::NEG_INFINITY));
         let p_target = match p_exp {
             Some(e) => e.get(target).copied().unwrap_or(0.0),
             None => prob(p.get(target).map(|&x| x.into())),
         };
         Self {
-            kl,
-            agree: p_argmax.unwrap_or_else(|| argmax(p)) == argmax(q),
-            dp: prob(q.get(target).map(|&x| x.into())) - p_target,
+            kl: P::kl_sum(p, p_exp, q),
+            agree: p_argmax.unwrap_or_else(|| P::argmax(p))
+                == compressme_quant::softmax::argmax_f64(q),
+            dp: prob(q.get(target).copied()) - p_target,
         }
+    }
+}
+
+/// The reference's log-probabilities as kept (f32) or just worked out (f64).
+trait LogProb: Copy + Into<f64> {
+    /// `compressme_quant::softmax::kl_sum` for this type.
+    fn kl_sum(p: &[Self], ep: Option<&[f64]>, q: &[f64]) -> f64;
+    /// `compressme_quant::softmax::argmax` for this type.
+    fn argmax(v: &[Self]) -> usize;
+}
+
+impl LogProb for f32 {
+    fn kl_sum(p: &[Self], ep: Option<&[f64]>, q: &[f64]) -> f64 {
+        compressme_quant::softmax::kl_sum(p, ep, q)
+    }
+    fn argmax(v: &[Self]) -> usize {
+        compressme_quant::softmax::argmax(v)
+    }
+}
+
+impl LogProb for f64 {
+    fn kl_sum(p: &[Self], ep: Option<&[f64]>, q: &[f64]) -> f64 {
+        compressme_quant::softmax::kl_sum_f64(p, ep, q)
+    }
+    fn argmax(v: &[Self]) -> usize {
+        compressme_quant::softmax::argmax_f64(v)
     }
 }
 
@@ -753,7 +745,8 @@ pub fn shift(reference: &Scored, variant: &Scored) -> Result<Shift> {
         .zip(&variant.distributions)
         .zip(&reference.tokens)
     {
-        acc.push(TargetShift::new(p, None, None, q, t.target as usize));
+        let q: Vec<f64> = q.iter().map(|&v| f64::from(v)).collect();
+        acc.push(TargetShift::new(p, None, None, &q, t.target as usize));
     }
     Ok(acc.finish())
 }
@@ -1044,58 +1037,4 @@ pub fn embedding_agreement(
         cosine_min: cos.iter().copied().fold(f64::INFINITY, f64::min),
         retrieval_top1_agreement: agree as f64 / n as f64,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::argmax;
-
-    /// The definition `argmax` replaces.
-    fn by_max_by<T: Copy + Into<f64>>(v: &[T]) -> usize {
-        v.iter()
-            .enumerate()
-            .max_by(|a, b| (*a.1).into().total_cmp(&(*b.1).into()))
-            .map_or(0, |(i, _)| i)
-    }
-
-    #[test]
-    fn argmax_is_max_by_total_cmp_with_ties_zeros_and_nans() {
-        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        let specials = [
-            0.0f32,
-            -0.0,
-            f32::NAN,
-            -f32::NAN,
-            f32::from_bits(0x7f80_0001),
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            1e-45,
-            -3.5,
-            2.0,
-        ];
-        for case in 0..2000 {
-            let len = (next() % 40) as usize + usize::from(case % 7 == 0) * 49_152;
-            let v: Vec<f32> = (0..len)
-                .map(|_| match next() % 10 {
-                    // few distinct values: ties everywhere
-                    0..=2 => specials[(next() % 10) as usize],
-                    3..=5 => ((next() % 5) as f32) - 2.0,
-                    _ => f32::from_bits(next() as u32),
-                })
-                .collect();
-            assert_eq!(argmax(&v), by_max_by(&v), "case {case}: {v:?}");
-            let w: Vec<f64> = v.iter().map(|&x| f64::from(x) * 0.5).collect();
-            assert_eq!(argmax(&w), by_max_by(&w), "case {case}");
-        }
-        assert_eq!(argmax::<f32>(&[]), 0);
-        assert_eq!(argmax(&[1.0f32, 3.0, 3.0, -0.0]), 2);
-        assert_eq!(argmax(&[0.0f32, -0.0]), 0);
-        assert_eq!(argmax(&[-0.0f32, 0.0, -0.0]), 1);
-    }
 }

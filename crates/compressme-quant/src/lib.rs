@@ -59,6 +59,7 @@ mod format;
 mod gptq;
 mod kernels;
 pub mod reference;
+pub mod softmax;
 pub mod synthetic;
 
 pub use format::{
