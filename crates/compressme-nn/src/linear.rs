@@ -302,12 +302,20 @@ impl Linear {
         Ok(())
     }
 
+    /// Reports `x` to the observer as [`Linear::forward`] does, without the product.
+    ///
+    /// # Errors
+    /// The observer's error.
+    pub fn observe(&self, x: &Tensor) -> Result<()> {
+        self.hooks.observe(&self.name, x)
+    }
+
     /// `x W^T + b` for `x` of shape `[..., in]`, after reporting `x` to the observer.
     ///
     /// # Errors
     /// A shape mismatch, an observer's error, or candle's.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.hooks.observe(&self.name, x)?;
+        self.observe(x)?;
         let y = match &self.weight {
             Weight::Dense(w) => shared_matmul(x, w)?,
             Weight::Packed(p) => packed_forward(&self.name, x, p)?,

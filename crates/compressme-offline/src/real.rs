@@ -451,11 +451,12 @@ pub fn run_real(
         candidates: cfg.candidates.clone(),
         ..ProfileSettings::default()
     };
-    // with GPTQ, each linear's input Gram matrix on the same pass
+    // with GPTQ, each linear's input Gram matrix on the same pass; the head's logits are
+    // not needed, only its input (`Decoder::observe`)
     let recorder = ActivationRecorder::new(settings)
         .with_calibration_sha256(sha256_hex(calib_text.as_bytes()));
     let forward = |m: &Decoder, ids: &Tensor| {
-        let r = m.forward(ids).map(drop);
+        let r = m.observe(ids);
         progress.inc(1);
         r
     };

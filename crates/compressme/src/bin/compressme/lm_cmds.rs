@@ -261,7 +261,7 @@ pub(crate) fn gptq_factors(
         &lm.model,
         &windows,
         |m, ids| {
-            let r = m.forward(ids).map(drop);
+            let r = m.observe(ids);
             bar.inc(1);
             r
         },
@@ -297,7 +297,7 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
     let profile = ActivationRecorder::new(settings)
         .with_calibration_sha256(compressme::artifact::recipe::sha256_hex(text.as_bytes()))
         .record(&lm.model, &windows, |m, ids| {
-            let r = m.forward(ids).map(drop);
+            let r = m.observe(ids);
             bar.inc(1);
             r
         })?;
