@@ -35,6 +35,10 @@
 //! them with the arithmetic candle uses for them, to its bits ([`GgmlKind`] says which), in
 //! a fraction of its time where candle runs one output at a time.
 //!
+//! Also [`softmax`]: the sums over a vocabulary that scoring a language model takes
+//! (log-softmax, the KL divergence's sum, argmax), on the same tiers and the same bits on
+//! every CPU, for `compressme-eval` (which has no `unsafe` to dispatch with).
+//!
 //! What it is not: a candle integration (no candle dependency here; `compressme-nn` and the
 //! benches put llama.cpp's formats beside these), and not a file format (the artifact
 //! crate stores these buffers).
