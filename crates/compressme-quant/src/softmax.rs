@@ -7,10 +7,11 @@
 //! functions), with no fused multiply-add written; a sum over a row keeps [`LANES`]
 //! running sums (entry `i` in sum `i % LANES`) added in one fixed order at the end; and
 //! the exponential is [`exp`], plain multiplies and adds (not the C library's, whose
-//! result may depend on the CPU it picks a version for). On the AVX-512 Xeon of
-//! `docs/BENCHMARKS.md`, one thread, `compressme-eval`'s `score_probe` example (49,152
-//! entries a row): a variant's target 424 µs with the C library's exponential and one
-//! running sum, 246 µs so (a row's log-softmax about 100 µs of it).
+//! result may depend on the CPU it picks a version for). The sensitivity stage's scoring
+//! (`kl_probe` in `benches`: 512 targets of 49,152 against a reference whose
+//! probabilities are kept, one thread, alternated on the AVX-512 Xeon of
+//! `docs/BENCHMARKS.md`): 0.221-0.226 s a measurement with the C library's exponential
+//! and one running sum, 0.115-0.119 s so.
 
 /// Running sums a row's sums keep.
 pub const LANES: usize = 8;
@@ -80,18 +81,10 @@ fn total(s: [f64; LANES]) -> f64 {
 #[inline(always)]
 pub(crate) fn log_softmax_lanes(logits: &[f32], out: &mut [f64]) {
     // the maximum in eight running maxima (a NaN is passed over, as `f32::max` does)
-    let mut m = [f32::NEG_INFINITY; LANES];
-    let mut chunks = logits.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (m, &v) in m.iter_mut().zip(c) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    let max = chunks
-        .remainder()
-        .iter()
-        .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a });
+    let larger = |m: f32, v: f32| if v > m { v } else { m };
+    let max = lanes(logits, f32::NEG_INFINITY, larger)
+        .into_iter()
+        .fold(f32::NEG_INFINITY, larger);
     for (o, &v) in out.iter_mut().zip(logits) {
         *o = exp(f64::from(v - max));
     }
@@ -104,17 +97,24 @@ pub(crate) fn log_softmax_lanes(logits: &[f32], out: &mut [f64]) {
 /// `v`'s sum in [`LANES`] running sums.
 #[inline(always)]
 fn sum(v: &[f64]) -> f64 {
-    let mut s = [0f64; LANES];
+    total(lanes(v, 0.0, |s, x| s + x))
+}
+
+/// `f` folded over `v` in [`LANES`] running values from `init`, entry `i` into value
+/// `i % LANES`, in order.
+#[inline(always)]
+fn lanes<T: Copy, A: Copy>(v: &[T], init: A, f: impl Fn(A, T) -> A) -> [A; LANES] {
+    let mut acc = [init; LANES];
     let mut chunks = v.chunks_exact(LANES);
     for c in &mut chunks {
-        for (s, &x) in s.iter_mut().zip(c) {
-            *s += x;
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = f(*a, x);
         }
     }
-    for (s, &x) in s.iter_mut().zip(chunks.remainder()) {
-        *s += x;
+    for (a, &x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = f(*a, x);
     }
-    total(s)
+    acc
 }
 
 /// [`exp_all`]'s arithmetic, written for the compiler's vectors.
@@ -193,18 +193,8 @@ fn key(x: f64) -> i64 {
 /// maximum in [`LANES`] running maxima, then the last index of that key.
 #[inline(always)]
 pub(crate) fn argmax_lanes<T: Copy + Into<f64>>(v: &[T]) -> usize {
-    let mut m = [i64::MIN; LANES];
-    let mut chunks = v.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (m, &x) in m.iter_mut().zip(c) {
-            *m = (*m).max(key(x.into()));
-        }
-    }
-    let top = chunks
-        .remainder()
-        .iter()
-        .map(|&x| key(x.into()))
-        .chain(m)
+    let top = lanes(v, i64::MIN, |m, x| m.max(key(x.into())))
+        .into_iter()
         .max()
         .unwrap_or(i64::MIN);
     v.iter().rposition(|&x| key(x.into()) == top).unwrap_or(0)
@@ -279,13 +269,8 @@ mod tests {
 
     #[test]
     fn every_tier_gives_the_plain_bits() {
-        let mut state = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
+        let mut rng = crate::synthetic::Rng::new(0x2545_f491_4f6c_dd1d);
+        let mut next = move || rng.uniform() as f32;
         for n in [1usize, 7, 8, 9, 63, 1000, 49_152] {
             let logits: Vec<f32> = (0..n).map(|_| next() * 40.0 - 25.0).collect();
             let mut plain = vec![0f64; n];
@@ -345,13 +330,8 @@ mod tests {
 
     #[test]
     fn argmax_is_max_by_total_cmp_with_ties_zeros_and_nans() {
-        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::synthetic::Rng::new(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || rng.next_u64();
         let specials = [
             0.0f32,
             -0.0,
