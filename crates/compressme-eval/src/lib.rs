@@ -166,6 +166,7 @@ impl Scored {
         self
     }
 }
+
 /// `f` of `logits`' log-softmax (`compressme_quant::softmax::log_softmax`), worked out in
 /// a vocabulary-long buffer this thread keeps from row to row (a call within `f` takes a
 /// buffer of its own).
