@@ -38,11 +38,10 @@ macro_rules! vector_copies {
             inverse_factor = crate::gptq::inverse_factor_lanes,
                 (gram: &[f64], n: usize, damp: f64) -> crate::Result<Vec<f32>>;
             log_softmax = crate::softmax::log_softmax_lanes, (logits: &[f32], out: &mut [f64]) -> ();
-            exp_all = crate::softmax::exp_lanes, (v: &[f32], out: &mut [f64]) -> ();
-            kl_sum = crate::softmax::kl_lanes::<f32>,
-                (p: &[f32], ep: Option<&[f64]>, q: &[f64]) -> f64;
-            kl_sum_f64 = crate::softmax::kl_lanes::<f64>,
-                (p: &[f64], ep: Option<&[f64]>, q: &[f64]) -> f64;
+            exp_all = crate::softmax::exp_lanes::<f32>, (v: &[f32], out: &mut [f64]) -> ();
+            exp_all_f64 = crate::softmax::exp_lanes::<f64>, (v: &[f64], out: &mut [f64]) -> ();
+            kl_sum = crate::softmax::kl_lanes::<f32>, (p: &[f32], ep: &[f64], q: &[f64]) -> f64;
+            kl_sum_f64 = crate::softmax::kl_lanes::<f64>, (p: &[f64], ep: &[f64], q: &[f64]) -> f64;
             argmax = crate::softmax::argmax_lanes::<f32>, (v: &[f32]) -> usize;
             argmax_f64 = crate::softmax::argmax_lanes::<f64>, (v: &[f64]) -> usize;
         }
@@ -415,20 +414,25 @@ pub(crate) fn log_softmax(logits: &[f32], out: &mut [f64]) {
     widest!(log_softmax(logits, out) else crate::softmax::log_softmax_lanes)
 }
 
-/// [`crate::softmax::exp_lanes`] compiled for the widest vectors the CPU has.
+/// [`crate::softmax::exp_lanes`] (f32 values) compiled for the widest vectors the CPU has.
 pub(crate) fn exp_all(v: &[f32], out: &mut [f64]) {
-    widest!(exp_all(v, out) else crate::softmax::exp_lanes)
+    widest!(exp_all(v, out) else crate::softmax::exp_lanes::<f32>)
+}
+
+/// [`crate::softmax::exp_lanes`] (f64 values) compiled for the widest vectors the CPU has.
+pub(crate) fn exp_all_f64(v: &[f64], out: &mut [f64]) {
+    widest!(exp_all_f64(v, out) else crate::softmax::exp_lanes::<f64>)
 }
 
 /// [`crate::softmax::kl_lanes`] (f32 log-probabilities) compiled for the widest vectors
 /// the CPU has.
-pub(crate) fn kl_sum(p: &[f32], ep: Option<&[f64]>, q: &[f64]) -> f64 {
+pub(crate) fn kl_sum(p: &[f32], ep: &[f64], q: &[f64]) -> f64 {
     widest!(kl_sum(p, ep, q) else crate::softmax::kl_lanes::<f32>)
 }
 
 /// [`crate::softmax::kl_lanes`] (f64 log-probabilities) compiled for the widest vectors
 /// the CPU has.
-pub(crate) fn kl_sum_f64(p: &[f64], ep: Option<&[f64]>, q: &[f64]) -> f64 {
+pub(crate) fn kl_sum_f64(p: &[f64], ep: &[f64], q: &[f64]) -> f64 {
     widest!(kl_sum_f64(p, ep, q) else crate::softmax::kl_lanes::<f64>)
 }
 
