@@ -822,9 +822,14 @@ impl Decoder {
 
     /// The output head on final hidden states `[.., hidden]`.
     fn head_logits(&self, x: &Tensor) -> Result<Tensor> {
+        self.head_linear()?.forward(x)
+    }
+
+    /// The output head: its own linear, or the token embedding it is tied to.
+    fn head_linear(&self) -> Result<&Linear> {
         match (&self.head, &self.tokens) {
-            (Some(h), _) => h.forward(x),
-            (None, Tokens::Tied(l)) => l.forward(x),
+            (Some(h), _) => Ok(h),
+            (None, Tokens::Tied(l)) => Ok(l),
             (None, Tokens::Table(e)) => Err(Error::BadStorage {
                 module: e.name().to_string(),
                 reason: "an untied model without an output head".into(),
@@ -848,15 +853,8 @@ impl Decoder {
     /// # Errors
     /// As [`Decoder::forward`].
     pub fn observe(&self, ids: &Tensor) -> Result<()> {
-        let x = self.hidden(ids, None)?;
-        match (&self.head, &self.tokens) {
-            (Some(h), _) => h.observe(&x),
-            (None, Tokens::Tied(l)) => l.observe(&x),
-            (None, Tokens::Table(e)) => Err(Error::BadStorage {
-                module: e.name().to_string(),
-                reason: "an untied model without an output head".into(),
-            }),
-        }
+        let head = self.head_linear()?;
+        head.observe(&self.hidden(ids, None)?)
     }
 
     /// Logits `[b, t, vocab]` for `ids` `[b, t]` that follow the positions `cache` holds;

@@ -858,3 +858,50 @@ fn replicated_linears_give_candles_bits(format: compressme_nn::LlamaFormat) {
     }
     assert_eq!(bits(&lm.model.forward(&ids).unwrap()), candle, "{format:?}");
 }
+
+/// Every input an observer sees, by module, in order, as bits.
+struct Seen(std::sync::Mutex<Vec<(String, Vec<u32>)>>);
+
+impl compressme_nn::Observer for Seen {
+    fn observe(&self, module: &str, x: &Tensor) -> compressme_nn::Result<()> {
+        let bits = x
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(f32::to_bits)
+            .collect();
+        self.0
+            .lock()
+            .map_err(|_| compressme_nn::Error::Observer("poisoned".into()))?
+            .push((module.to_string(), bits));
+        Ok(())
+    }
+}
+
+/// `Decoder::observe` reports what `forward` reports, every linear's input (the output
+/// head's, tied or not, included), in the same order and to the bit, without the head.
+#[test]
+fn observe_reports_what_forward_reports() {
+    for name in FAMILIES {
+        let lm = open(name);
+        let ids = Tensor::new(&[[3u32, 41, 7, 99, 12, 5]], &Device::Cpu).unwrap();
+        let seen = |run: &dyn Fn() -> compressme_nn::Result<()>| {
+            let s = std::sync::Arc::new(Seen(std::sync::Mutex::new(Vec::new())));
+            let guard = lm.model.hooks().install(s.clone()).unwrap();
+            run().unwrap();
+            drop(guard);
+            std::mem::take(&mut *s.0.lock().unwrap())
+        };
+        let by_forward = seen(&|| lm.model.forward(&ids).map(drop));
+        let by_observe = seen(&|| lm.model.observe(&ids));
+        let linears = lm
+            .model
+            .modules()
+            .into_iter()
+            .filter(|m| m.kind == ModuleKind::Linear)
+            .count();
+        assert!(by_forward.len() >= linears, "{name}: {}", by_forward.len());
+        assert_eq!(by_observe, by_forward, "{name}");
+    }
+}
