@@ -453,8 +453,11 @@ pub fn run_real(
     };
     // with GPTQ, each linear's input Gram matrix on the same pass; the head's logits are
     // not needed, only its input (`Decoder::observe`)
+    // whole windows side by side, a lane a core (the reference's f32 products gain little
+    // from a second thread); the same bits as one window after another
     let recorder = ActivationRecorder::new(settings)
-        .with_calibration_sha256(sha256_hex(calib_text.as_bytes()));
+        .with_calibration_sha256(sha256_hex(calib_text.as_bytes()))
+        .with_lanes(candle_core::utils::get_num_threads());
     let forward = |m: &Decoder, ids: &Tensor| {
         let r = m.observe(ids);
         progress.inc(1);

@@ -1,7 +1,7 @@
 //! Input Gram matrices of a model's linears, for GPTQ rounding
 //! (`compressme_quant::GptqFactor`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -22,7 +22,10 @@ pub(crate) struct Collector {
     /// The last input's matrix, by the input tensor's id: a block's query, key and value
     /// projections (its gate and up projections) are called on the same tensor, whose
     /// matrix is taken once.
-    last: Mutex<Option<(TensorId, Vec<f32>)>>,
+    last: Mutex<Option<(TensorId, Arc<Vec<f32>>)>>,
+    /// Matrices made ahead of their turn ([`Collector::prepare`]), by the input tensor's
+    /// id, until the batch that saw them has been summed.
+    early: Mutex<HashMap<TensorId, Arc<Vec<f32>>>>,
     /// Products taken (inputs seen, less the repeats).
     products: AtomicUsize,
     watch: Arc<Watch>,
@@ -40,6 +43,7 @@ impl Collector {
                 .collect(),
             sums: Mutex::new(BTreeMap::new()),
             last: Mutex::new(None),
+            early: Mutex::new(HashMap::new()),
             products: AtomicUsize::new(0),
             watch,
         }
@@ -62,26 +66,27 @@ impl Collector {
             });
         }
         let id = x.id();
-        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        let g = match &*last {
-            Some((seen, g)) if *seen == id && g.len() == cols.saturating_mul(cols) => g,
-            _ => {
-                self.products.fetch_add(1, Ordering::Relaxed);
-                let x = x
-                    .to_device(&Device::Cpu)
-                    .and_then(|x| x.to_dtype(DType::F32))
-                    .and_then(|x| x.reshape(((), cols)))
-                    .map_err(|e| model(e.into()))?;
-                // in f32 over this batch's rows (one chain of products an entry, whatever
-                // the thread count), summed across batches in f64
-                let g = x
-                    .t()
-                    .and_then(|t| t.contiguous())
-                    .and_then(|t| t.matmul(&x))
-                    .and_then(|g| g.flatten_all())
-                    .and_then(|g| g.to_vec1::<f32>())
-                    .map_err(|e| model(e.into()))?;
-                &last.insert((id, g)).1
+        let early = self
+            .early
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&id)
+            .cloned();
+        let g = match early {
+            Some(g) => g,
+            None => {
+                let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+                match &*last {
+                    Some((seen, g)) if *seen == id && g.len() == cols.saturating_mul(cols) => {
+                        g.clone()
+                    }
+                    _ => {
+                        self.products.fetch_add(1, Ordering::Relaxed);
+                        let g = Arc::new(product(x, cols).map_err(|e| model(e.into()))?);
+                        *last = Some((id, g.clone()));
+                        g
+                    }
+                }
             }
         };
         if let Some(&value) = g.iter().find(|v| !v.is_finite()) {
@@ -95,11 +100,52 @@ impl Collector {
         let s = sums
             .entry(module.to_string())
             .or_insert_with(|| vec![0.0; cols.saturating_mul(cols)]);
-        for (a, &b) in s.iter_mut().zip(g) {
+        for (a, &b) in s.iter_mut().zip(g.iter()) {
             *a += f64::from(b);
         }
         Ok(())
     }
+
+    /// Makes the matrix of `module`'s input `x` ahead of its turn (batches in lanes, see
+    /// `crate::lanes`): the matrix [`Collector::add`] would make, kept by the tensor's id
+    /// for it to find. Once an input; nothing for a module that is not a linear, or for
+    /// an input `add` will refuse (it then makes its error in its turn).
+    pub(crate) fn prepare(&self, module: &str, x: &Tensor) {
+        let Some(&cols) = self.cols.get(module) else {
+            return;
+        };
+        let id = x.id();
+        let lock = || self.early.lock().unwrap_or_else(PoisonError::into_inner);
+        if x.dims().last() != Some(&cols) || lock().contains_key(&id) {
+            return;
+        }
+        if let Ok(g) = product(x, cols) {
+            self.products.fetch_add(1, Ordering::Relaxed);
+            lock().insert(id, Arc::new(g));
+        }
+    }
+
+    /// Drops the matrices made ahead for a batch's inputs, once they have been summed.
+    pub(crate) fn forget(&self, seen: &[(String, Tensor)]) {
+        let mut early = self.early.lock().unwrap_or_else(PoisonError::into_inner);
+        for (_, x) in seen {
+            early.remove(&x.id());
+        }
+    }
+}
+
+/// `xᵀ x` of `x` as rows of `cols`, in f32 over its rows (one chain of products an entry,
+/// whatever the thread count).
+fn product(x: &Tensor, cols: usize) -> candle_core::Result<Vec<f32>> {
+    let x = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape(((), cols))?;
+    x.t()?
+        .contiguous()?
+        .matmul(&x)?
+        .flatten_all()?
+        .to_vec1::<f32>()
 }
 
 impl Observer for Collector {
@@ -116,27 +162,35 @@ impl Observer for Collector {
 /// however this returns) and returns every linear's input Gram matrix `Σ x xᵀ` (the
 /// linears' inputs only; a linear never called is left out). Each batch's matrix is
 /// taken in f32 and the batches are summed in f64 in their order, so the result does not
-/// depend on the thread count.
+/// depend on the thread count, nor on `lanes`: more than one runs that many batches side
+/// by side, each on one thread (as
+/// [`ActivationRecorder::with_lanes`](crate::ActivationRecorder::with_lanes)).
 ///
 /// # Errors
 /// [`Error::Empty`] without batches; [`Error::NonFinite`] and [`Error::Width`] naming the
 /// module; [`Error::Model`] for the model's own error (naming the batch).
-pub fn record_grams<M: Model, B>(
+pub fn record_grams<M: Model + Sync, B: Sync>(
     model: &M,
     batches: &[B],
-    forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+    lanes: usize,
+    forward: impl Fn(&M, &B) -> compressme_nn::Result<()> + Sync,
 ) -> Result<Grams> {
     if batches.is_empty() {
         return Err(Error::Empty);
     }
     let collector = Arc::new(Collector::new(model, Arc::default()));
-    collector
-        .watch
-        .run(model, batches, forward, collector.clone())?;
+    collector.watch.run(
+        model,
+        batches,
+        lanes,
+        forward,
+        collector.clone(),
+        Some(collector.clone()),
+    )?;
     Ok(collector.take())
 }
 
-/// [`record_grams`], then each linear's [`GptqFactor`] with damping `damp` (a fraction of
+/// [`record_grams`] (in `lanes` lanes), then each linear's [`GptqFactor`] with damping `damp` (a fraction of
 /// its Gram matrix's mean diagonal; 0.01 in the paper). Linears that read the same input
 /// (a block's query, key and value projections; its gate and up projections) have the
 /// same matrix, bit for bit, and share one factor; the distinct ones are made in
@@ -144,13 +198,14 @@ pub fn record_grams<M: Model, B>(
 ///
 /// # Errors
 /// As [`record_grams`]; [`Error::Factor`] naming a linear whose matrix has no factor.
-pub fn gptq_factors<M: Model, B>(
+pub fn gptq_factors<M: Model + Sync, B: Sync>(
     model: &M,
     batches: &[B],
-    forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+    lanes: usize,
+    forward: impl Fn(&M, &B) -> compressme_nn::Result<()> + Sync,
     damp: f64,
 ) -> Result<BTreeMap<String, Arc<GptqFactor>>> {
-    factors_of(&record_grams(model, batches, forward)?, damp)
+    factors_of(&record_grams(model, batches, lanes, forward)?, damp)
 }
 
 /// Each linear's [`GptqFactor`] from its Gram matrix (as [`record_grams`] or
@@ -221,12 +276,12 @@ mod tests {
             Tensor::new(&[[7u32, 8, 9, 10, 11, 12]], &Device::Cpu).unwrap(),
         ];
         let forward = |m: &CausalLm, ids: &Tensor| m.forward(ids).map(drop);
-        let grams = record_grams(&model, &batches, forward).unwrap();
+        let grams = record_grams(&model, &batches, 1, forward).unwrap();
         // linears called on the same input share one product
         let collector = Arc::new(Collector::new(&model, Arc::default()));
         collector
             .watch
-            .run(&model, &batches, forward, collector.clone())
+            .run(&model, &batches, 1, forward, collector.clone(), None)
             .unwrap();
         assert_eq!(collector.take(), grams);
         let products = collector.products.load(Ordering::Relaxed);
@@ -266,11 +321,11 @@ mod tests {
             }
         }
         assert!(matches!(
-            record_grams(&model, &[] as &[Tensor], forward),
+            record_grams(&model, &[] as &[Tensor], 2, forward),
             Err(Error::Empty)
         ));
         // one factor per distinct matrix: shared exactly where the inputs are the same
-        let factors = gptq_factors(&model, &batches, forward, 0.01).unwrap();
+        let factors = gptq_factors(&model, &batches, 1, forward, 0.01).unwrap();
         assert_eq!(factors.len(), grams.len());
         let mut shared = 0;
         for (a, fa) in &factors {
@@ -292,6 +347,104 @@ mod tests {
         assert_eq!(again.len(), factors.len());
         for (name, f) in &again {
             assert_eq!(**f, *factors[name], "{name}");
+        }
+    }
+
+    #[test]
+    fn batches_in_lanes_give_the_same_bits_and_the_same_errors() {
+        // more batches than lanes, of different lengths, so that lanes finish out of
+        // order and batches wait for the earlier ones
+        let cfg = CausalConfig {
+            vocab: 32,
+            width: 16,
+            layers: 3,
+            heads: 2,
+            context: 16,
+        };
+        let model = CausalLm::new(cfg, 5, &Device::Cpu).unwrap();
+        let batches: Vec<Tensor> = (0..7u32)
+            .map(|b| {
+                let ids: Vec<u32> = (0..3 + 2 * (b % 4)).map(|i| (5 * b + 3 * i) % 32).collect();
+                Tensor::new(ids.as_slice(), &Device::Cpu)
+                    .and_then(|t| t.unsqueeze(0))
+                    .unwrap()
+            })
+            .collect();
+        let forward = |m: &CausalLm, ids: &Tensor| m.forward(ids).map(drop);
+        let recorder = ActivationRecorder::new(ProfileSettings::default());
+        let (profile, grams) = recorder
+            .record_with_grams(&model, &batches, forward)
+            .unwrap();
+        for lanes in [2, 3, 8] {
+            let (p, g) = recorder
+                .clone()
+                .with_lanes(lanes)
+                .record_with_grams(&model, &batches, forward)
+                .unwrap();
+            // (not `assert_eq!`: a profile's debug text is pages long)
+            assert!(p == profile, "{lanes} lanes: another profile");
+            assert!(g == grams, "{lanes} lanes: other Gram matrices");
+            assert!(
+                record_grams(&model, &batches, lanes, forward).unwrap() == grams,
+                "{lanes} lanes: other Gram matrices alone"
+            );
+            assert!(!model.hooks().installed());
+        }
+        // a model error in batch 4: the same error, the batch named
+        let failing = |m: &CausalLm, ids: &Tensor| {
+            if std::ptr::eq(ids, &batches[4]) {
+                return Err(compressme_nn::Error::Shape("injected".into()));
+            }
+            m.forward(ids).map(drop)
+        };
+        for lanes in [1, 2, 3] {
+            let e = recorder
+                .clone()
+                .with_lanes(lanes)
+                .record_with_grams(&model, &batches, failing)
+                .unwrap_err();
+            assert!(
+                matches!(e, Error::Model { batch: 4, .. }),
+                "{lanes} lanes: {e}"
+            );
+            assert!(!model.hooks().installed());
+        }
+        // an observer's error in one batch (a NaN reported by the forward of batch
+        // `nan`) and a model error in another (`broken`): whichever batch comes first,
+        // as one batch after another would meet them
+        let nan = Tensor::full(f32::NAN, (1, 3, 16), &Device::Cpu).unwrap();
+        for (nan_at, broken_at) in [(2, 5), (5, 2), (0, 6)] {
+            let forward = |m: &CausalLm, ids: &Tensor| {
+                if std::ptr::eq(ids, &batches[broken_at]) {
+                    return Err(compressme_nn::Error::Shape("injected".into()));
+                }
+                if std::ptr::eq(ids, &batches[nan_at]) {
+                    m.hooks().observe("layers.0.attn.q", &nan)?;
+                }
+                m.forward(ids).map(drop)
+            };
+            let errors: Vec<String> = [1, 2, 3]
+                .map(|lanes| {
+                    let e = recorder
+                        .clone()
+                        .with_lanes(lanes)
+                        .record_with_grams(&model, &batches, forward)
+                        .unwrap_err();
+                    let first = if nan_at < broken_at {
+                        matches!(&e, Error::NonFinite { module, batch, .. }
+                            if module == "layers.0.attn.q" && *batch == nan_at)
+                    } else {
+                        matches!(&e, Error::Model { batch, .. } if *batch == broken_at)
+                    };
+                    assert!(
+                        first,
+                        "{lanes} lanes, NaN at {nan_at}, broken at {broken_at}: {e}"
+                    );
+                    assert!(!model.hooks().installed());
+                    e.to_string()
+                })
+                .to_vec();
+            assert!(errors.iter().all(|e| *e == errors[0]), "{errors:?}");
         }
     }
 }

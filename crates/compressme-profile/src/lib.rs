@@ -54,9 +54,11 @@ use candle_core::{DType, Device, Tensor};
 pub use compressme_nn::ModuleKind;
 use compressme_nn::{Model, ModuleRef, Observer};
 use compressme_quant::{Format, GroupSize};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 mod gram;
+mod lanes;
 pub use gram::{Grams, factors_of, gptq_factors, record_grams};
 
 /// The profile JSON version this build writes.
@@ -515,6 +517,18 @@ impl Watch {
         *self.batch.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn set_batch(&self, i: usize) {
+        *self.batch.lock().unwrap_or_else(PoisonError::into_inner) = i;
+    }
+
+    /// The failure an observer kept, if one did.
+    fn take_failure(&self) -> Option<Error> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
     /// Keeps `e` for the run to report and gives the model an error that stops it.
     fn fail(&self, e: Error) -> compressme_nn::Error {
         let msg = e.to_string();
@@ -523,30 +537,32 @@ impl Watch {
     }
 
     /// Runs `forward` over every batch with `observer` on the model's hooks (uninstalled
-    /// however this returns); the observer's failure, if it had one, is the error.
-    fn run<M: Model, B>(
+    /// however this returns); the observer's failure, if it had one, is the error. With
+    /// more than one lane, whole batches side by side (`crate::lanes`: the observer gets
+    /// the same observations in the same order), `early`'s Gram products made in the
+    /// lanes.
+    fn run<M: Model + Sync, B: Sync>(
         &self,
         model: &M,
         batches: &[B],
-        mut forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        lanes: usize,
+        forward: impl Fn(&M, &B) -> compressme_nn::Result<()> + Sync,
         observer: Arc<dyn Observer>,
+        early: Option<Arc<gram::Collector>>,
     ) -> Result<()> {
+        if lanes > 1 && batches.len() > 1 {
+            return lanes::run(self, model, batches, lanes, &forward, &*observer, early);
+        }
         let _guard = model
             .hooks()
             .install(observer)
             .map_err(|source| Error::Model { batch: 0, source })?;
         for (i, b) in batches.iter().enumerate() {
-            *self.batch.lock().unwrap_or_else(PoisonError::into_inner) = i;
+            self.set_batch(i);
             if let Err(source) = forward(model, b) {
-                if let Some(e) = self
-                    .failure
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take()
-                {
-                    return Err(e);
-                }
-                return Err(Error::Model { batch: i, source });
+                return Err(self
+                    .take_failure()
+                    .unwrap_or(Error::Model { batch: i, source }));
             }
         }
         Ok(())
@@ -593,6 +609,8 @@ impl Observer for Collector {
 pub struct ActivationRecorder {
     settings: ProfileSettings,
     calibration_sha256: String,
+    /// Batches run side by side (at most 1: one after another).
+    lanes: usize,
 }
 
 impl ActivationRecorder {
@@ -602,7 +620,21 @@ impl ActivationRecorder {
         Self {
             settings,
             calibration_sha256: String::new(),
+            lanes: 1,
         }
+    }
+
+    /// Runs `lanes` batches side by side, each on one thread
+    /// ([`compressme_quant::in_lanes`]: a batch's products on its own thread), instead of
+    /// one batch after another on every thread: for a model whose products gain little
+    /// from a second thread at a batch's size. The profile and the Gram matrices are the
+    /// same bits (the observations are summed in the batches' order); a batch's
+    /// observations wait, as shared handles on its tensors, until the earlier batches'
+    /// have been summed (at most `lanes` batches ahead of the next to be summed).
+    #[must_use]
+    pub fn with_lanes(mut self, lanes: usize) -> Self {
+        self.lanes = lanes;
+        self
     }
 
     /// Records `hash` (SHA-256 of the calibration data) in the profile.
@@ -619,11 +651,11 @@ impl ActivationRecorder {
     /// [`Error::Empty`], [`Error::NonFinite`] and [`Error::Width`] naming the module,
     /// [`Error::Model`] for the model's own error (naming the batch), and a bad candidate
     /// format name.
-    pub fn record<M: Model, B>(
+    pub fn record<M: Model + Sync, B: Sync>(
         &self,
         model: &M,
         batches: &[B],
-        forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        forward: impl Fn(&M, &B) -> compressme_nn::Result<()> + Sync,
     ) -> Result<Profile> {
         Ok(self.recorded(model, batches, forward, false)?.0)
     }
@@ -633,20 +665,20 @@ impl ActivationRecorder {
     ///
     /// # Errors
     /// As [`record`](Self::record) and [`record_grams`].
-    pub fn record_with_grams<M: Model, B>(
+    pub fn record_with_grams<M: Model + Sync, B: Sync>(
         &self,
         model: &M,
         batches: &[B],
-        forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        forward: impl Fn(&M, &B) -> compressme_nn::Result<()> + Sync,
     ) -> Result<(Profile, Grams)> {
         self.recorded(model, batches, forward, true)
     }
 
-    fn recorded<M: Model, B>(
+    fn recorded<M: Model + Sync, B: Sync>(
         &self,
         model: &M,
         batches: &[B],
-        forward: impl FnMut(&M, &B) -> compressme_nn::Result<()>,
+        forward: impl Fn(&M, &B) -> compressme_nn::Result<()> + Sync,
         with_grams: bool,
     ) -> Result<(Profile, Grams)> {
         if batches.is_empty() {
@@ -692,7 +724,7 @@ impl ActivationRecorder {
             Some(g) => Arc::new(Both(collector.clone(), g.clone())),
             None => collector.clone(),
         };
-        watch.run(model, batches, forward, observer)?;
+        watch.run(model, batches, self.lanes, forward, observer, grams.clone())?;
         let grams = grams.map(|g| g.take()).unwrap_or_default();
         let mut modules = std::mem::take(
             &mut *collector
@@ -700,28 +732,42 @@ impl ActivationRecorder {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner),
         );
+        // each linear's estimates on its own (in parallel), then the weights' digest in
+        // the modules' order
+        let linear = |name: &str| match model.module(name) {
+            Some(ModuleRef::Linear(l)) => Some(l),
+            _ => None,
+        };
+        modules
+            .par_iter_mut()
+            .try_for_each(|(name, s)| -> Result<()> {
+                let Some(l) = linear(name) else {
+                    return Ok(());
+                };
+                let w = l
+                    .weight_f32()
+                    .map_err(|source| Error::Model { batch: 0, source })?;
+                let max_abs = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                s.unrepresentable = compressme_quant::Format::ALL
+                    .into_iter()
+                    .filter(|f| !f.holds(max_abs))
+                    .map(|f| f.to_string())
+                    .collect();
+                let msq = s.channel_mean_sq();
+                for f in &candidates {
+                    if let Some(err) = round_trip_error(&w, s.rows, s.cols, *f, &msq, &[]) {
+                        s.estimated_error.insert(f.to_string(), err);
+                    }
+                }
+                Ok(())
+            })?;
         let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
-        for (name, s) in &mut modules {
-            let Some(ModuleRef::Linear(l)) = model.module(name) else {
-                continue;
-            };
+        for l in modules.keys().filter_map(|name| linear(name)) {
             let w = l
                 .weight_f32()
                 .map_err(|source| Error::Model { batch: 0, source })?;
             for v in &w {
                 sha2::Digest::update(&mut hasher, v.to_le_bytes());
-            }
-            let max_abs = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-            s.unrepresentable = compressme_quant::Format::ALL
-                .into_iter()
-                .filter(|f| !f.holds(max_abs))
-                .map(|f| f.to_string())
-                .collect();
-            let msq = s.channel_mean_sq();
-            for f in &candidates {
-                if let Some(err) = round_trip_error(&w, s.rows, s.cols, *f, &msq, &[]) {
-                    s.estimated_error.insert(f.to_string(), err);
-                }
             }
         }
         let digest: [u8; 32] = sha2::Digest::finalize(hasher).into();

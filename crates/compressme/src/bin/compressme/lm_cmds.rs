@@ -257,9 +257,11 @@ pub(crate) fn gptq_factors(
     let windows = calibration_windows(&ids, len, Some(max_windows), text)?;
     let bar = Bars::new();
     bar.stage("GPTQ calibration", windows.len() as u64);
+    // whole windows side by side, a lane a core: the same bits
     let factors = compressme::profile::gptq_factors(
         &lm.model,
         &windows,
+        candle_core::utils::get_num_threads(),
         |m, ids| {
             let r = m.observe(ids);
             bar.inc(1);
@@ -296,6 +298,7 @@ pub(crate) fn profile(o: &ProfileOptions<'_>) -> Result<compressme::profile::Pro
     bar.stage("windows", windows.len() as u64);
     let profile = ActivationRecorder::new(settings)
         .with_calibration_sha256(compressme::artifact::recipe::sha256_hex(text.as_bytes()))
+        .with_lanes(candle_core::utils::get_num_threads())
         .record(&lm.model, &windows, |m, ids| {
             let r = m.observe(ids);
             bar.inc(1);
