@@ -12,7 +12,10 @@
 //! ```
 //!
 //! A `.gguf` file named `candle-FORMAT.gguf` (as the benchmark writes them) runs on
-//! candle's kernels in that format; every other file is one of our artifacts.
+//! candle's kernels in that format, or with `--replica` as the benchmark scores it (its
+//! Q5_0 and unrepacked Q8_0 linears on our replica of candle's kernels,
+//! `compressme_nn::replicate_ggml`: the same bits); every other file is one of our
+//! artifacts.
 
 mod common;
 
@@ -25,12 +28,18 @@ const WINDOW: usize = 512;
 const STRIDE: usize = 256;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut replica = false;
     let common::Args {
         rounds,
         model,
         text,
         files,
-    } = common::args(5, |_, _| Ok(false))?;
+    } = common::args(5, |flag, _| {
+        Ok(flag == "--replica" && {
+            replica = true;
+            true
+        })
+    })?;
     let lm = LanguageModel::open(&model, &Device::Cpu)?;
     let ids = lm.encode(&std::fs::read_to_string(&text)?)?;
     let window = |k: usize| -> Result<&[u32], Box<dyn std::error::Error>> {
@@ -43,7 +52,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let candle = common::candle_name(f)
             .map(|n| compressme_offline::candle_format(&n))
             .transpose()?;
-        let m = compressme_offline::load_variant(f, candle)?;
+        let mut m = compressme_offline::load_variant(f, candle)?;
+        if replica && candle.is_some() {
+            compressme_nn::replicate_ggml(&mut m)?;
+        }
         m.logit_rows_at(window(0)?, STRIDE..WINDOW)?;
         models.push(m);
     }

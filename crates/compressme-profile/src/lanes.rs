@@ -129,7 +129,7 @@ pub(crate) fn run<M: Model + Sync, B: Sync>(
                 if let Some(g) = &early {
                     g.forget(&seen);
                 }
-                lock().next = i + 1;
+                lock().next = i.saturating_add(1);
             }
             drop(_turn);
             // a batch that became next while this lane still held the turn

@@ -241,8 +241,8 @@ struct QuantizedX {
     words: Vec<i32>,
     /// `[batch, nb]` scales, as the f16 stored then read back.
     d: Vec<f32>,
-    /// `[batch, nb * 8]` sums of the rounded values over each group of four columns.
-    sums: Vec<i32>,
+    /// `words` with each byte biased to an unsigned one (`q + 128`, the sign bit flipped).
+    uwords: Vec<i32>,
     /// `[batch, nb]` sums of the rounded values over each block.
     block_sums: Vec<i32>,
 }
@@ -262,31 +262,49 @@ impl QuantizedX {
             let inv = if scale == 0.0 { 0.0 } else { 1.0 / scale };
             d[i] = f16::from_f32(scale).to_f32();
             for (o, &v) in qs.iter_mut().zip(xs) {
-                // `as` saturates, as the reference's cast does
-                #[allow(clippy::cast_possible_truncation)]
-                {
-                    *o = (v * inv).round() as i8;
-                }
+                *o = round_to_i8(v * inv);
             }
         }
-        let sums: Vec<i32> = q
-            .chunks_exact(4)
+        let block_sums = q
+            .chunks_exact(GGML_BLOCK)
             .map(|c| c.iter().map(|&v| i32::from(v)).sum())
             .collect();
-        let block_sums = sums.chunks_exact(GROUPS).map(|c| c.iter().sum()).collect();
-        let words = q
+        let words: Vec<i32> = q
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes([0, 1, 2, 3].map(|k| c[k].to_le_bytes()[0])))
             .collect();
+        // flipping each byte's sign bit adds 128 to it
+        #[allow(clippy::cast_possible_wrap)]
+        let uwords = words.iter().map(|w| w ^ 0x8080_8080_u32 as i32).collect();
         Self {
             batch,
             nb,
             words,
             d,
-            sums,
+            uwords,
             block_sums,
         }
     }
+}
+
+/// `v.round() as i8` (half away from zero, then saturated; NaN to 0, as the reference's
+/// `roundf` and cast give), in plain integer and float steps the compiler vectorises
+/// instead of a call of `roundf` a value.
+#[inline]
+#[allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+fn round_to_i8(v: f32) -> i8 {
+    // past the i8 range the result saturates either way; inside, `v - t` is exact
+    let v = v.clamp(-129.0, 128.0);
+    let i = v as i32; // towards zero; NaN to 0
+    let f = v - i as f32;
+    let r = if f >= 0.5 {
+        i + 1
+    } else if f <= -0.5 {
+        i - 1
+    } else {
+        i
+    };
+    r.clamp(-128, 127) as i8
 }
 
 /// One tile's outputs `[batch, 16]`: the definitions, one output at a time.
@@ -360,7 +378,7 @@ mod avx512 {
                 && tile.scales.len() == nb * TILE_ROWS
                 && out.len() == x.batch * TILE_ROWS
                 && x.words.len() == x.batch * nb * GROUPS
-                && x.sums.len() == x.batch * nb * GROUPS
+                && x.uwords.len() == x.batch * nb * GROUPS
                 && x.block_sums.len() == x.batch * nb
                 && x.d.len() == x.batch * nb,
             "ggml tile: inconsistent lengths"
@@ -381,12 +399,13 @@ mod avx512 {
                     }
                 }
                 GgmlKind::Q8_0 => {
+                    let signed = Signed::new(tile);
                     while r + XS_Q8_0 <= x.batch {
-                        q8_0::<XS_Q8_0>(tile, x, r, out);
+                        q8_0::<XS_Q8_0>(tile, &signed, x, r, out);
                         r += XS_Q8_0;
                     }
                     while r < x.batch {
-                        q8_0::<1>(tile, x, r, out);
+                        q8_0::<1>(tile, &signed, x, r, out);
                         r += 1;
                     }
                 }
@@ -452,12 +471,47 @@ mod avx512 {
         }
     }
 
-    /// Rows `r..r + N` of `x` against a Q8_0 tile.
+    /// A Q8_0 tile made ready for [`q8_0`]: the weights as signed bytes (the stored codes'
+    /// sign bits flipped back) and, for each block and group of four columns, the 16 rows'
+    /// sums of the weights times -128, the start of the group's sums.
+    pub(super) struct Signed {
+        codes: Vec<u8>,
+        starts: Vec<[i32; TILE_ROWS]>,
+    }
+
+    impl Signed {
+        pub(super) fn new(tile: &Tile<'_>) -> Self {
+            let codes: Vec<u8> = tile.codes.iter().map(|u| u ^ 0x80).collect();
+            let starts = codes
+                .chunks_exact(4 * TILE_ROWS)
+                .map(|group| {
+                    std::array::from_fn(|j| {
+                        -128 * group[4 * j..4 * j + 4]
+                            .iter()
+                            .map(|&c| i32::from(c.cast_signed()))
+                            .sum::<i32>()
+                    })
+                })
+                .collect();
+            Self { codes, starts }
+        }
+    }
+
+    /// Rows `r..r + N` of `x` against a Q8_0 tile. Each group's exact sum
+    /// `S = Σ w·q` is `Σ w·(q + 128) - 128 Σ w`: one `vpdpbusd` of the biased `x` (unsigned)
+    /// and the signed weights, started from the tile's `-128 Σ w`.
     ///
     /// # Safety
-    /// As [`group`], for every block.
+    /// AVX-512 F, BW and VNNI; `r + N <= batch`, lengths as [`tile`] checks them, and
+    /// `signed` made from the same tile.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn q8_0<const N: usize>(tile: &Tile<'_>, x: &QuantizedX, r: usize, out: &mut [f32]) {
+    unsafe fn q8_0<const N: usize>(
+        tile: &Tile<'_>,
+        signed: &Signed,
+        x: &QuantizedX,
+        r: usize,
+        out: &mut [f32],
+    ) {
         let nb = x.nb;
         let mut lanes: [[__m512; GROUPS]; N] = [[_mm512_setzero_ps(); GROUPS]; N];
         for b in 0..nb {
@@ -467,13 +521,21 @@ mod avx512 {
                 std::array::from_fn(|n| _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(r + n) * nb + b])));
             #[allow(clippy::needless_range_loop)] // `g` also picks the codes and the words
             for g in 0..GROUPS {
-                let mut acc: [__m512i; N] = [_mm512_setzero_si512(); N];
-                // SAFETY: as this function's
-                unsafe { group(tile, x, r, b, g, &mut acc) };
-                for (n, a) in acc.into_iter().enumerate() {
-                    let xsum = x.sums[((r + n) * nb + b) * GROUPS + g];
-                    let s = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_set1_epi32(128 * xsum)));
-                    lanes[n][g] = _mm512_fmadd_ps(d[n], s, lanes[n][g]);
+                let at = b * GROUPS + g;
+                // SAFETY: 64 bytes at `at * 64` and 16 starts at `at`, with `b < nb` and
+                // `g < 8`: inside `signed` (`nb * 512` bytes, `nb * 8` starts)
+                let (w, start) = unsafe {
+                    (
+                        _mm512_loadu_si512(signed.codes.as_ptr().add(at * 64).cast()),
+                        _mm512_loadu_si512(signed.starts.as_ptr().add(at).cast()),
+                    )
+                };
+                for (n, l) in lanes.iter_mut().enumerate() {
+                    // SAFETY: word `((r + n) * nb + b) * 8 + g` with `r + n < batch`:
+                    // inside `x.uwords` (`batch * nb * 8` long)
+                    let four = unsafe { *x.uwords.as_ptr().add(((r + n) * nb + b) * GROUPS + g) };
+                    let sum = _mm512_dpbusd_epi32(start, _mm512_set1_epi32(four), w);
+                    l[g] = _mm512_fmadd_ps(d[n], _mm512_cvtepi32_ps(sum), l[g]);
                 }
             }
         }
@@ -484,6 +546,49 @@ mod avx512 {
             );
             // SAFETY: 16 floats at `(r + n) * 16`, inside `out` (`batch * 16` long)
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((r + n) * TILE_ROWS), s) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_to_i8;
+
+    #[test]
+    #[allow(clippy::cast_possible_truncation)]
+    fn round_to_i8_is_round_then_the_saturating_cast() {
+        let mut values = vec![
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-45,
+            3e9,
+            -3e9,
+        ];
+        // every half and its neighbours across the range and past it
+        for k in -600..=600 {
+            let h = k as f32 * 0.5;
+            values.extend([h, h.next_up(), h.next_down()]);
+        }
+        let mut s = 0x9e37_79b9_u32;
+        for _ in 0..100_000 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            values.push(f32::from_bits(s));
+        }
+        for v in values {
+            assert_eq!(
+                round_to_i8(v),
+                v.round() as i8,
+                "{v:e} ({:#010x})",
+                v.to_bits()
+            );
         }
     }
 }
