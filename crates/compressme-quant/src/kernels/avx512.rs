@@ -933,3 +933,88 @@ unsafe fn fixed_row_imp(row: &[f32], out: &mut [i16], nibbles: bool) -> f32 {
 }
 
 vector_copies!("avx512f,avx512bw,avx512vl,avx2,fma");
+
+/// Element `(j, i)` of `src` (row `j` at `j * src_stride`) to `(i, j)` of `dst` (row `i`
+/// at `i * dst_stride`) for `i, j < 16`: a 16 x 16 tile of f32 transposed in registers
+/// (four rounds of shuffles). Nothing is computed, so the values are moved as they are.
+/// `false`, with nothing written, where either slice is too short for its tile.
+pub(super) fn transpose16(
+    _: Token,
+    src: &[f32],
+    src_stride: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+) -> bool {
+    let fits = |len: usize, stride: usize| {
+        stride
+            .checked_mul(15)
+            .and_then(|s| s.checked_add(16))
+            .is_some_and(|need| need <= len)
+    };
+    if !(fits(src.len(), src_stride) && fits(dst.len(), dst_stride)) {
+        return false;
+    }
+    // SAFETY: the token proves AVX-512 F; row `k < 16` of each tile is 16 values at
+    // `k * stride`, inside the slice by the check above.
+    unsafe { transpose16_tile(src.as_ptr(), src_stride, dst.as_mut_ptr(), dst_stride) };
+    true
+}
+
+/// # Safety
+/// AVX-512 F; 16 rows of 16 readable values at `src + k * src_stride` and writable ones at
+/// `dst + k * dst_stride`.
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16_tile(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+    use std::arch::x86_64::{
+        _mm512_castpd_ps, _mm512_shuffle_f32x4, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+        _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+    };
+    // SAFETY: row `k` of the source, inside it as the caller promises
+    let r: [__m512; 16] =
+        std::array::from_fn(|k| unsafe { _mm512_loadu_ps(src.add(k * src_stride)) });
+    // pairs of rows interleaved by element, then by pairs of elements
+    let t: [__m512; 16] = std::array::from_fn(|k| {
+        let (a, b) = (r[k & !1], r[k | 1]);
+        if k % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    let u: [__m512; 16] = std::array::from_fn(|k| {
+        // within each four rows: (t0, t2) low and high, then (t1, t3)
+        let base = k & !3;
+        let (a, b) = match k % 4 {
+            0 | 1 => (t[base], t[base + 2]),
+            _ => (t[base + 1], t[base + 3]),
+        };
+        let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
+        _mm512_castpd_ps(if k % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        })
+    });
+    // then the 128-bit quarters: within each eight rows, then across the two halves
+    let v: [__m512; 16] = std::array::from_fn(|k| {
+        let base = k & !7;
+        let (a, b) = (u[base + k % 4], u[base + 4 + k % 4]);
+        if k % 8 < 4 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xdd>(a, b)
+        }
+    });
+    let w: [__m512; 16] = std::array::from_fn(|k| {
+        let (a, b) = (v[k % 8], v[8 + k % 8]);
+        if k < 8 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xdd>(a, b)
+        }
+    });
+    for (k, row) in w.into_iter().enumerate() {
+        // SAFETY: row `k` of the destination, inside it as the caller promises
+        unsafe { _mm512_storeu_ps(dst.add(k * dst_stride), row) };
+    }
+}

@@ -1190,6 +1190,8 @@ fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
     }
     // rows of `y` a piece: whole tiles, four pieces a thread where the batch allows
     let per = (batch.div_ceil(4 * pool::threads()).div_ceil(T) * T).max(T);
+    #[cfg(target_arch = "x86_64")]
+    let wide = avx512::Token::detect();
     // rows p·per.. of y, a tile of T of them at a time
     let piece = |p: usize, ys: &mut [f32]| {
         let mut tile = [[0f32; T]; T];
@@ -1198,6 +1200,16 @@ fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
             for (s, yb) in ys.chunks_mut(T * rows).enumerate() {
                 let b0 = p * per + s * T;
                 let nb = yb.len() / rows;
+                // a whole tile in registers
+                #[cfg(target_arch = "x86_64")]
+                if let Some(token) = wide
+                    && nb == T
+                    && src.len() == T * batch
+                    && let (Some(from), Some(to)) = (src.get(b0..), yb.get_mut(r0..))
+                    && avx512::transpose16(token, from, batch, to, rows)
+                {
+                    continue;
+                }
                 // read: a run of each of up to T rows of `yt`
                 let mut nr = 0;
                 for (row, col) in tile.iter_mut().zip(src.chunks_exact(batch)) {
