@@ -44,6 +44,7 @@ macro_rules! vector_copies {
             kl_sum_f64 = crate::softmax::kl_lanes::<f64>, (p: &[f64], ep: &[f64], q: &[f64]) -> f64;
             argmax = crate::softmax::argmax_lanes::<f32>, (v: &[f32]) -> usize;
             argmax_f64 = crate::softmax::argmax_lanes::<f64>, (v: &[f64]) -> usize;
+            all_finite = crate::kernels::all_finite_lanes, (x: &[f32]) -> bool;
         }
     };
 }
@@ -1400,10 +1401,17 @@ fn block8_runs(isa: Isa, w: &Packed, batch: usize) -> bool {
     false
 }
 
+/// Whether every value of `x` is finite, on the widest vectors the CPU has
+/// ([`all_finite_lanes`]).
+fn all_finite(x: &[f32]) -> bool {
+    widest!(all_finite(x) else all_finite_lanes)
+}
+
 /// Whether every value of `x` is finite: a test without branches over each run of 256
 /// values (which the compiler turns into vectors; `all` alone stops at each value and
 /// took 4% of a SmolLM2 window), stopping at the first run with one that is not.
-fn all_finite(x: &[f32]) -> bool {
+#[inline(always)]
+pub(crate) fn all_finite_lanes(x: &[f32]) -> bool {
     x.chunks(256)
         .all(|run| run.iter().fold(true, |ok, v| ok & v.is_finite()))
 }
