@@ -121,6 +121,19 @@ pub(crate) fn with_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
     Ok(f(&v))
 }
 
+/// `f` of the elements of `a` and of `b` in row-major order, each read in place where
+/// [`with_f32`] reads it so (a window's residual sums and gated products made their
+/// output from a copy of one input before: a pass over memory more). `b` is read under
+/// `a`'s read lock: a second read lock on this thread, which waits only behind a writer
+/// of `a`'s storage, and nothing here writes a storage in place.
+pub(crate) fn with_f32_pair<R>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce(&[f32], &[f32]) -> R,
+) -> Result<R> {
+    with_f32(a, |x| with_f32(b, |y| f(x, y)))?
+}
+
 /// The refusal of two tensors that an elementwise operation needs of one shape.
 fn shapes_differ(what: &str, a: &Tensor, b: &Tensor) -> crate::Error {
     crate::Error::Shape(format!("{what} of {:?} and {:?}", a.dims(), b.dims()))
@@ -136,10 +149,10 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dims() != b.dims() {
         return Err(shapes_differ("a sum", a, b));
     }
-    let (Some(mut x), DType::F32) = (f32_elements(a)?, b.dtype()) else {
+    if (a.dtype(), b.dtype()) != (DType::F32, DType::F32) {
         return Ok((a + b)?);
-    };
-    with_f32(b, |y| x.iter_mut().zip(y).for_each(|(x, &y)| *x += y))?;
+    }
+    let x = with_f32_pair(a, b, |x, y| x.iter().zip(y).map(|(&x, &y)| x + y).collect())?;
     Ok(Tensor::from_vec(x, a.dims(), a.device())?)
 }
 
@@ -153,13 +166,14 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.dims() != up.dims() {
         return Err(shapes_differ("a gated product", gate, up));
     }
-    let (Some(mut g), DType::F32) = (f32_elements(gate)?, up.dtype()) else {
+    if (gate.dtype(), up.dtype()) != (DType::F32, DType::F32) {
         return Ok((gate.silu()? * up)?);
-    };
-    with_f32(up, |u| {
-        g.iter_mut()
+    }
+    let g = with_f32_pair(gate, up, |g, u| {
+        g.iter()
             .zip(u)
-            .for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect()
     })?;
     Ok(Tensor::from_vec(g, gate.dims(), gate.device())?)
 }
@@ -700,6 +714,16 @@ mod tests {
             &silu_mul(&g, &u).unwrap(),
             &(g.silu().unwrap() * &u).unwrap()
         ));
+        // one tensor twice (its storage read under its own read lock), and views of one
+        // storage (a narrowed and a transposed one, read through a copy)
+        assert!(same_bits(&add(&u, &u).unwrap(), &(&u + &u).unwrap()));
+        let (front, back) = (u.narrow(0, 0, 1).unwrap(), u.narrow(0, 2, 1).unwrap());
+        assert!(same_bits(
+            &silu_mul(&front, &back).unwrap(),
+            &(front.silu().unwrap() * &back).unwrap()
+        ));
+        let t = u.transpose(0, 1).unwrap();
+        assert!(same_bits(&add(&t, &t).unwrap(), &(&t + &t).unwrap()));
         let other = u.narrow(2, 0, 1535).unwrap();
         assert!(add(&g, &other).is_err());
         assert!(silu_mul(&g, &other).is_err());
