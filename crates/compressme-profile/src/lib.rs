@@ -16,6 +16,9 @@
 //! minimises are rescaled to it, the heuristic keeping only the ratio between formats
 //! within a module.
 //!
+//! [`ActivationRecorder::with_lanes`] runs whole batches side by side, a lane a thread,
+//! with the same bits: each batch's observations are summed in the batches' order.
+//!
 //! [`record_grams`] collects each linear's input Gram matrix `Σ x xᵀ` on the same kind
 //! of run ([`ActivationRecorder::record_with_grams`] on the profile's own run), and
 //! [`factors_of`] and [`gptq_factors`] turn them into GPTQ's factors
