@@ -59,7 +59,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let factors = compressme_profile::gptq_factors(
         &lm.model,
         &batches,
-        |m, ids| m.forward(ids).map(drop),
+        candle_core::utils::get_num_threads(),
+        |m, ids| m.observe(ids),
         damp,
     )?;
     eprintln!(
