@@ -44,18 +44,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .take(windows)
         .map(|c| Tensor::new(c, &Device::Cpu).and_then(|t| t.unsqueeze(0)))
         .collect::<candle_core::Result<_>>()?;
+    // the benchmark's candidates (its default configuration)
     let settings = ProfileSettings {
-        candidates: [
-            "int8",
-            "nf4",
-            "nf4-g32",
-            "nf4-g64",
-            "nf4-g128",
-            "int4-g64",
-            "int4-g128",
-        ]
-        .map(String::from)
-        .to_vec(),
+        candidates: compressme_offline::RealConfig::default().candidates,
         ..ProfileSettings::default()
     };
     let recorder = ActivationRecorder::new(settings).with_lanes(lanes);
