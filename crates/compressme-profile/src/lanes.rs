@@ -6,9 +6,11 @@
 //! handle on its tensor, which nothing changes afterwards) under the batch its thread is
 //! running, and does there and then the work whose result does not depend on the order
 //! (each distinct input's Gram product). A finished batch's observations wait in
-//! [`Ordered`] until every earlier batch's have been given to the real observer, which
+//! [`Waiting`] until every earlier batch's have been given to the real observer, which
 //! then gets them one by one as a run of one batch after another would have given them,
-//! on whichever lane finished a batch (the other goes on meanwhile).
+//! on whichever lane finished a batch (the other goes on meanwhile). A lane that finds
+//! more batches waiting than there are lanes waits for its turn to hand them over before
+//! it runs another; batches waiting for a slow earlier one are not bounded otherwise.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;

@@ -1177,14 +1177,15 @@ pub fn matmul_into_using(
     // [rows, batch] first: each task owns whole output rows
     let mut yt = vec![0f32; rows * batch];
     rows_of(&mut yt);
-    transpose_into(&yt, rows, batch, y);
+    transpose_into(isa, &yt, rows, batch, y);
     Ok(())
 }
 
 /// `yt` (`[rows, batch]`) into `y` (`[batch, rows]`), a tile of 16 x 16 at a time through
 /// a local buffer, so each read and each write is a contiguous run of up to 16 values;
-/// large outputs on the kernel pool's threads, a run of rows of `y` a piece.
-fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
+/// large outputs on the kernel pool's threads, a run of rows of `y` a piece; on the
+/// AVX-512 tier a whole tile in registers (the values moved as they are).
+fn transpose_into(isa: Isa, yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
     const T: usize = 16;
     if rows == 0 || batch == 0 {
         return;
@@ -1192,7 +1193,12 @@ fn transpose_into(yt: &[f32], rows: usize, batch: usize, y: &mut [f32]) {
     // rows of `y` a piece: whole tiles, four pieces a thread where the batch allows
     let per = (batch.div_ceil(4 * pool::threads()).div_ceil(T) * T).max(T);
     #[cfg(target_arch = "x86_64")]
-    let wide = avx512::Token::detect();
+    let wide = match isa {
+        Isa::Avx512(t) => Some(t),
+        _ => None,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     // rows p·per.. of y, a tile of T of them at a time
     let piece = |p: usize, ys: &mut [f32]| {
         let mut tile = [[0f32; T]; T];
@@ -1992,15 +1998,18 @@ mod tests {
             (1000, 40),
         ] {
             let yt: Vec<f32> = (0..rows * batch).map(|i| i as f32 + 0.5).collect();
-            let mut y = vec![f32::NAN; rows * batch];
-            transpose_into(&yt, rows, batch, &mut y);
-            for r in 0..rows {
-                for b in 0..batch {
-                    assert_eq!(
-                        y[b * rows + r].to_bits(),
-                        yt[r * batch + b].to_bits(),
-                        "{rows} x {batch}: row {r}, batch row {b}"
-                    );
+            // every tier this CPU has (AVX-512's whole tiles in registers)
+            for isa in Tier::ALL.into_iter().filter_map(Isa::of) {
+                let mut y = vec![f32::NAN; rows * batch];
+                transpose_into(isa, &yt, rows, batch, &mut y);
+                for r in 0..rows {
+                    for b in 0..batch {
+                        assert_eq!(
+                            y[b * rows + r].to_bits(),
+                            yt[r * batch + b].to_bits(),
+                            "{rows} x {batch}: row {r}, batch row {b}"
+                        );
+                    }
                 }
             }
         }
