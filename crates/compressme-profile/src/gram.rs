@@ -190,11 +190,11 @@ pub fn record_grams<M: Model + Sync, B: Sync>(
     Ok(collector.take())
 }
 
-/// [`record_grams`] (in `lanes` lanes), then each linear's [`GptqFactor`] with damping `damp` (a fraction of
-/// its Gram matrix's mean diagonal; 0.01 in the paper). Linears that read the same input
-/// (a block's query, key and value projections; its gate and up projections) have the
-/// same matrix, bit for bit, and share one factor; the distinct ones are made in
-/// parallel.
+/// [`record_grams`] (in `lanes` lanes), then each linear's [`GptqFactor`] with damping
+/// `damp` (a fraction of its Gram matrix's mean diagonal; 0.01 in the paper). Linears
+/// that read the same input (a block's query, key and value projections; its gate and up
+/// projections) have the same matrix, bit for bit, and share one factor; the distinct
+/// ones are made in parallel.
 ///
 /// # Errors
 /// As [`record_grams`]; [`Error::Factor`] naming a linear whose matrix has no factor.
@@ -403,10 +403,10 @@ mod tests {
                 .with_lanes(lanes)
                 .record_with_grams(&model, &batches, failing)
                 .unwrap_err();
-            assert!(
-                matches!(e, Error::Model { batch: 4, .. }),
-                "{lanes} lanes: {e}"
-            );
+            let Error::Model { batch, .. } = &e else {
+                panic!("{lanes} lanes: not the model's error: {e}");
+            };
+            assert_eq!(*batch, 4, "{lanes} lanes: {e}");
             assert!(!model.hooks().installed());
         }
         // an observer's error in one batch (a NaN reported by the forward of batch
@@ -430,16 +430,23 @@ mod tests {
                         .with_lanes(lanes)
                         .record_with_grams(&model, &batches, forward)
                         .unwrap_err();
-                    let first = if nan_at < broken_at {
-                        matches!(&e, Error::NonFinite { module, batch, .. }
-                            if module == "layers.0.attn.q" && *batch == nan_at)
+                    let case =
+                        format!("{lanes} lanes, NaN at {nan_at}, broken at {broken_at}: {e}");
+                    if nan_at < broken_at {
+                        let Error::NonFinite { module, batch, .. } = &e else {
+                            panic!("{case}: not the observer's error");
+                        };
+                        assert_eq!(
+                            (module.as_str(), *batch),
+                            ("layers.0.attn.q", nan_at),
+                            "{case}"
+                        );
                     } else {
-                        matches!(&e, Error::Model { batch, .. } if *batch == broken_at)
-                    };
-                    assert!(
-                        first,
-                        "{lanes} lanes, NaN at {nan_at}, broken at {broken_at}: {e}"
-                    );
+                        let Error::Model { batch, .. } = &e else {
+                            panic!("{case}: not the model's error");
+                        };
+                        assert_eq!(*batch, broken_at, "{case}");
+                    }
                     assert!(!model.hooks().installed());
                     e.to_string()
                 })

@@ -96,7 +96,7 @@ pub(crate) fn run<M: Model + Sync, B: Sync>(
     let lock = || waiting.lock().unwrap_or_else(PoisonError::into_inner);
     let fail = |batch: usize, e: Error| {
         let mut w = lock();
-        if w.failed.as_ref().is_none_or(|(b, _)| batch < *b) {
+        if w.before_failure(batch) {
             w.failed = Some((batch, e));
         }
     };
@@ -104,7 +104,7 @@ pub(crate) fn run<M: Model + Sync, B: Sync>(
     // `wait`: wait for that lane instead of leaving it the work
     let hand_over = |wait: bool| {
         loop {
-            let _turn = if wait {
+            let turn = if wait {
                 handing.lock().unwrap_or_else(PoisonError::into_inner)
             } else {
                 match handing.try_lock() {
@@ -133,7 +133,7 @@ pub(crate) fn run<M: Model + Sync, B: Sync>(
                 }
                 lock().next = i.saturating_add(1);
             }
-            drop(_turn);
+            drop(turn);
             // a batch that became next while this lane still held the turn
             let w = lock();
             if !(w.before_failure(w.next) && w.ready.contains_key(&w.next)) {

@@ -178,7 +178,7 @@ impl GgmlMatrix {
         }
         let isa = Isa::pick(backend)?;
         let nb = self.cols / GGML_BLOCK;
-        let xq = QuantizedX::new(x, batch, self.cols);
+        let xq = QuantizedX::new(x, batch, self.cols, self.kind);
         let tiles = self.rows.div_ceil(TILE_ROWS);
         // each tile's outputs, `[batch, 16]`, then put in place
         let mut by_tile = vec![0f32; tiles * batch * TILE_ROWS];
@@ -241,14 +241,15 @@ struct QuantizedX {
     words: Vec<i32>,
     /// `[batch, nb]` scales, as the f16 stored then read back.
     d: Vec<f32>,
-    /// `words` with each byte biased to an unsigned one (`q + 128`, the sign bit flipped).
+    /// `words` with each byte biased to an unsigned one (`q + 128`, the sign bit flipped),
+    /// for Q8_0's kernel (empty for Q5_0).
     uwords: Vec<i32>,
     /// `[batch, nb]` sums of the rounded values over each block.
     block_sums: Vec<i32>,
 }
 
 impl QuantizedX {
-    fn new(x: &[f32], batch: usize, cols: usize) -> Self {
+    fn new(x: &[f32], batch: usize, cols: usize, kind: GgmlKind) -> Self {
         let nb = cols / GGML_BLOCK;
         let mut q = vec![0i8; batch * cols];
         let mut d = vec![0f32; batch * nb];
@@ -275,7 +276,10 @@ impl QuantizedX {
             .collect();
         // flipping each byte's sign bit adds 128 to it
         #[allow(clippy::cast_possible_wrap)]
-        let uwords = words.iter().map(|w| w ^ 0x8080_8080_u32 as i32).collect();
+        let uwords = match kind {
+            GgmlKind::Q8_0 => words.iter().map(|w| w ^ 0x8080_8080_u32 as i32).collect(),
+            GgmlKind::Q5_0 => Vec::new(),
+        };
         Self {
             batch,
             nb,
@@ -378,7 +382,7 @@ mod avx512 {
                 && tile.scales.len() == nb * TILE_ROWS
                 && out.len() == x.batch * TILE_ROWS
                 && x.words.len() == x.batch * nb * GROUPS
-                && x.uwords.len() == x.batch * nb * GROUPS
+                && (tile.kind == GgmlKind::Q5_0 || x.uwords.len() == x.batch * nb * GROUPS)
                 && x.block_sums.len() == x.batch * nb
                 && x.d.len() == x.batch * nb,
             "ggml tile: inconsistent lengths"
